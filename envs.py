@@ -109,6 +109,12 @@ def _relative(a, b):
     return " ".join(parts) or "here"
 
 
+def _direction(a, b):
+    """Where b is seen from a, directions only: "down right", "up", or "here" (easy for a tiny model to read)."""
+    dr, dc = b[0] - a[0], b[1] - a[1]
+    return " ".join(([("down" if dr > 0 else "up")] if dr else []) + ([("right" if dc > 0 else "left")] if dc else [])) or "here"
+
+
 def _grid_text(rows, cols, cell):
     return "\n".join(" ".join(cell((r, c)) for c in cols) for r in rows)
 
@@ -125,10 +131,14 @@ class FrozenLake(Env):
     Maps are always solvable within `max_turns` moves, except that a fraction `unsolvable_frac` of seeds
     get a goal walled off by holes (every rollout fails: zero reward variance, for the collapse demo).
 
-        observation:  . O . .          reply:  <think> goal up 2 right 2 ; hole up left </think>
+        observation:  . O . .          reply:  <think> P 3 1 G 1 3 : goal up right ; hole up left </think>
                       . O . G                  <answer> right </answer>
                       . O . .          feedback: the new map with P one cell right, reward 0.0
                       O P . .                    (reward 1.0 and done once P reaches G)
+                      P at 3 1 , G at 1 3
+
+    The last line gives the row and column of P and G: a 2-layer model reads it far more easily than it counts
+    rows and columns in the grid; the holes next to P must still be read off the grid.
     """
     name = "frozenlake"
     instruction = ("You are P on a frozen lake: reach the goal G without stepping into a hole O (. is safe ice, "
@@ -177,7 +187,8 @@ class FrozenLake(Env):
     def render(self):
         def cell(p):
             return "P" if p == self.pos else "G" if p == self.goal else "O" if p in self.holes else "."
-        return _grid_text(range(self.size), range(self.size), cell)
+        return _grid_text(range(self.size), range(self.size), cell) + \
+            f"\nP at {self.pos[0]} {self.pos[1]} , G at {self.goal[0]} {self.goal[1]}"
 
     def _apply(self, action):
         move = action.lower()
@@ -197,7 +208,7 @@ class FrozenLake(Env):
             return self.dist.get(p, 99), abs(p[0] - self.goal[0]) + abs(p[1] - self.goal[1])
         safe = [m for m in MOVES if self._moved(self.pos, m) not in self.holes] or list(MOVES)
         holes = [m for m in MOVES if _add(self.pos, m) in self.holes]
-        think = f"goal {_relative(self.pos, self.goal)} ; hole {' '.join(holes) or 'none'}"
+        think = f"P {self.pos[0]} {self.pos[1]} G {self.goal[0]} {self.goal[1]} : goal {_direction(self.pos, self.goal)} ; hole {' '.join(holes) or 'none'}"
         return think, min(safe, key=cost)
 
 

@@ -40,8 +40,8 @@ def _model_device(model):
 
 
 def _pad(seqs, pad_id):
-    """Right-pad token-id lists: (ids [B, T] filled with pad_id, attention_mask [B, T] of 0/1)."""
-    ids = torch.full((len(seqs), max(map(len, seqs))), pad_id, dtype=torch.long)
+    """Right-pad token-id lists: (ids [B, T] filled with pad_id, attention_mask [B, T] of 0/1); T >= 1."""
+    ids = torch.full((len(seqs), max(1, *map(len, seqs))), pad_id, dtype=torch.long)
     att = torch.zeros_like(ids)
     for b, s in enumerate(seqs):
         ids[b, :len(s)], att[b, :len(s)] = torch.tensor(s, dtype=torch.long), 1
@@ -98,7 +98,7 @@ def cross_score(model, prompts, reasons, pad_id, matched=None, batch_size=256):
         raise ValueError("cross_score: matched needs one column per reasoning")
     dev = _model_device(model)
     params = inspect.signature(model.forward).parameters
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in params else None
+    keep_ok = "logits_to_keep" in params
     L_sum = torch.zeros(N, M)
     ent = [torch.zeros((), dtype=torch.float64), 0]
     own = lambda i, j: matched is not None and matched[i] == j  # noqa: E731
@@ -108,19 +108,22 @@ def cross_score(model, prompts, reasons, pad_id, matched=None, batch_size=256):
     try:
         with torch.inference_mode():
             if {"past_key_values", "position_ids", "use_cache"} <= params.keys():  # prefix sharing
-                for j, x in enumerate(prompts):
-                    pre = model(input_ids=torch.tensor([x], device=dev), use_cache=True, **(keep or {}))
-                    for c in range(0, len(rows), batch_size):
-                        chunk = rows[c:c + batch_size]
-                        ids, att = _pad([reasons[i] for i in chunk], pad_id)
-                        (B, T), lp = ids.shape, len(x)
-                        cache = copy.deepcopy(pre.past_key_values)  # the forward appends to it in place
-                        cache.batch_repeat_interleave(B)
-                        logits = model(input_ids=ids.to(dev), past_key_values=cache, use_cache=True,
-                                       attention_mask=torch.cat([torch.ones(B, lp, dtype=torch.long), att], 1).to(dev),
-                                       position_ids=(lp + torch.arange(T, device=dev)).expand(B, T)).logits
-                        logits = torch.cat([pre.logits[:, -1:].expand(B, -1, -1), logits[:, :-1]], 1)  # k predicts z_k
-                        L_sum[chunk, j] = _span_logp(logits, [(0, reasons[i], own(i, j)) for i in chunk], ent)
+                P, Pm = (t.flip(1).to(dev) for t in _pad([p[::-1] for p in prompts], pad_id))  # left-padded
+                lp = Pm.sum(1)
+                pre = model(input_ids=P, attention_mask=Pm, position_ids=(Pm.cumsum(1) - 1).clamp_min(0),
+                            use_cache=True, **({"logits_to_keep": 1} if keep_ok else {}))
+                pairs = sorted(((i, j) for i in rows for j in range(M)), key=lambda ij: len(reasons[ij[0]]))
+                for c in range(0, len(pairs), batch_size):
+                    chunk = pairs[c:c + batch_size]
+                    r, js = (list(t) for t in zip(*chunk))
+                    ids, att = _pad([reasons[i][:-1] for i in r], pad_id)  # a last token predicts nothing
+                    cache = copy.deepcopy(pre.past_key_values)  # the forward appends to it in place
+                    cache.batch_select_indices(torch.tensor(js, device=dev))
+                    logits = model(input_ids=ids.to(dev), past_key_values=cache, use_cache=True,
+                                   attention_mask=torch.cat([Pm[js], att.to(dev)], 1),
+                                   position_ids=lp[js, None] + torch.arange(ids.shape[1], device=dev)).logits
+                    logits = torch.cat([pre.logits[js, -1:], logits], 1)  # k predicts z_k
+                    L_sum[r, js] = _span_logp(logits, [(0, reasons[i], own(i, j)) for i, j in chunk], ent)
             else:
                 pairs = sorted(((i, j) for i in rows for j in range(M)),
                                key=lambda ij: (len(prompts[ij[1]]), len(reasons[ij[0]])))
@@ -128,7 +131,7 @@ def cross_score(model, prompts, reasons, pad_id, matched=None, batch_size=256):
                     chunk = pairs[c:c + batch_size]
                     ids, att = _pad([prompts[j] + reasons[i] for i, j in chunk], pad_id)
                     T = ids.shape[1]
-                    kw = {"logits_to_keep": T - min(len(prompts[j]) for _, j in chunk) + 1} if keep else {}
+                    kw = {"logits_to_keep": T - min(len(prompts[j]) for _, j in chunk) + 1} if keep_ok else {}
                     logits = model(input_ids=ids.to(dev), attention_mask=att.to(dev), **kw).logits
                     off = T - logits.shape[1]  # positions dropped in front by logits_to_keep
                     # position |x_j| + k - 1 predicts reasoning token k

@@ -43,7 +43,7 @@ class Config:
     model: str = "tiny"  # 'tiny' (embedded Llama, warm-started, cached) or a HF hub id / local path
     tiny_dim: int = 128  # tiny model: hidden size
     tiny_layers: int = 2  # tiny model: transformer layers
-    warmup_steps: int = 150  # tiny model: supervised warm-start steps on expert traces (stopped early on purpose)
+    warmup_steps: int = 500  # tiny model: supervised warm-start steps on expert traces (stopped early on purpose)
     warmup_lr: float = 3e-3  # tiny model: warm-start learning rate
     cache_dir: str = "~/.cache/ragen_mini"  # where warm-started tiny models are cached
     # --- rollout ---
@@ -206,15 +206,15 @@ def tiny_policy(cfg, device):
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     key = {k: getattr(cfg, k) for k in ("env", "env_args", "max_turns", "tiny_dim", "tiny_layers", "warmup_steps",
-                                        "warmup_lr", "seed")} | {"version": 1}
+                                        "warmup_lr")} | {"version": 2}  # one warm start shared by every RL --seed
     path = os.path.join(os.path.expanduser(cfg.cache_dir),
                         "tiny-" + hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10])
     if os.path.exists(os.path.join(path, "model.safetensors")):
         tok = PreTrainedTokenizerFast.from_pretrained(path, padding_side="left")
         return LlamaForCausalLM.from_pretrained(path).to(device), tok
     env, turns = make_env(cfg), cfg.max_turns or make_env(cfg).max_turns
-    rng = random.Random(cfg.seed)
-    seeds = [rng.randrange(10**6) for _ in range(2000)]  # training seeds live in [0, 1e6), eval seeds above
+    rng = random.Random(0)
+    seeds = [rng.randrange(10**6) for _ in range(32 * cfg.warmup_steps + 300)]  # training seeds: [0, 1e6)
     # 1. tokenizer: byte-level BPE trained on expert transcripts, so any text tokenizes (no unknown words)
     texts = []
     for s in seeds[:300]:
@@ -230,7 +230,7 @@ def tiny_policy(cfg, device):
                                   padding_side="left", chat_template=CHATML)
     tok.add_tokens(["<think>", "</think>", "<answer>", "</answer>"])  # plain (not special): decode keeps them
     # 2. model
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(0)
     d = cfg.tiny_dim
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=d, intermediate_size=2 * d,
                                          num_hidden_layers=cfg.tiny_layers, num_attention_heads=4, num_key_value_heads=4,
@@ -238,14 +238,15 @@ def tiny_policy(cfg, device):
                                          eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)).to(device)
     # 3. warm start: supervised on expert conversations, stopped early so RL has room to improve
     chat = Chat(tok, env.instruction)
-    data = [expert_episode(env, s, chat, turns) for s in seeds]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, weight_decay=0.0)
-    for i in tqdm(range(cfg.warmup_steps), desc="warm start", leave=False):
-        ids, attn, mask = pad_right([data[j] for j in rng.sample(range(len(data)), 32)], tok.pad_token_id, device)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1, (i + 1) / 50) * (0.55 + 0.45 * math.cos(math.pi * i / cfg.warmup_steps)))
+    for i in tqdm(range(cfg.warmup_steps), desc="warm start (cached after the first run)"):
+        batch = [expert_episode(env, s, chat, turns) for s in seeds[300 + 32 * i: 300 + 32 * (i + 1)]]  # fresh maps
+        ids, attn, mask = pad_right(batch, tok.pad_token_id, device)
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
         nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
-        opt.zero_grad(); loss.backward(); opt.step()
+        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()  # supervised on the agent's tokens only
+        opt.zero_grad(); loss.backward(); opt.step(); sched.step()
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path); tok.save_pretrained(path)
     return model, tok
@@ -452,7 +453,7 @@ def evaluate(model, tok, cfg, n=None):
 
 # ----------------------------------------------------------------------------- the loop
 def run_dir(cfg):
-    keep = {k: v for k, v in asdict(cfg).items() if k not in ("demo", "bench", "device", "out", "name")}
+    keep = {k: v for k, v in asdict(cfg).items() if k not in ("demo", "bench", "device", "out", "name", "steps")}
     tag = hashlib.sha1(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:6]
     return os.path.join(cfg.out, cfg.name or f"{cfg.env}-{cfg.filter}-s{cfg.seed}-{tag}")
 
@@ -494,7 +495,7 @@ def train(cfg, quiet=False):
         print("config: " + " ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
     if state["eval0"] is None:
         state["eval0"] = evaluate(model, tok, cfg)
-    P, G, log = cfg.groups, cfg.group_size, {}
+    P, G, log, shown = cfg.groups, cfg.group_size, {}, {}
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=quiet, desc=os.path.basename(out))
     for step in bar:
         t0 = time.time()
@@ -545,8 +546,8 @@ def train(cfg, quiet=False):
             f.write(json.dumps(log) + "\n")
         if not quiet:
             tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in log.items()))
-        bar.set_postfix(succ=f"{log['success']:.2f}", H=f"{log.get('token_entropy', float('nan')):.2f}",
-                        MI=f"{log.get('mi', float('nan')):.2f}", kept=f"{log['kept_frac']:.2f}")
+        shown |= {k: log[k] for k in ("success", "token_entropy", "mi", "kept_frac") if k in log}
+        bar.set_postfix({k: f"{v:.2f}" for k, v in shown.items()})
         if (step + 1) % cfg.save_every == 0 or step == cfg.steps - 1:
             save_ckpt(ckpt, model=model.state_dict(), opt=opt.state_dict(), ema=ema.state_dict(), step=step + 1,
                       state=state, ref=ref.state_dict() if ref is not None else None)

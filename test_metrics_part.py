@@ -182,6 +182,25 @@ def test_cross_score_matches_brute_force():
     assert cross_score(model, prompts, [[]], pad_id=0, matched=[0])["entropy"] is None  # all empty
 
 
+def test_cross_score_prefix_path_matches_plain_path():
+    model = tiny_llama()
+    g = torch.Generator().manual_seed(4)
+    rand = lambda n: torch.randint(1, 32, (n,), generator=g).tolist()  # noqa: E731
+    prompts = [rand(n) + [1] for n in (11, 0, 6, 17)]  # ragged, one of a single token
+    reasons = [rand(n) for n in (5, 1, 0, 9, 2, 13, 1, 7, 3, 4)]
+    matched = [0, 1, 2, 3, 0, 1, 2, 3, 0, 3]
+    prefix_calls = []
+    model.register_forward_pre_hook(lambda m, a, kw: prefix_calls.append("past_key_values" in kw), with_kwargs=True)
+    new = cross_score(model, prompts, reasons, pad_id=0, matched=matched, batch_size=3)
+    # per prompt: one prompt pass + ceil(9 non-empty reasonings / 3) = 3 reasoning chunks
+    assert prefix_calls == [False] + [True] * 12
+    ref = cross_score(PlainCall(model), prompts, reasons, pad_id=0, matched=matched, batch_size=5)
+    assert torch.allclose(new["L_sum"], ref["L_sum"], atol=1e-5)
+    assert torch.allclose(new["L_mean"], ref["L_mean"], atol=1e-5)
+    assert new["entropy"] == pytest.approx(ref["entropy"], abs=1e-5)
+    assert (new["L_sum"][2] == 0).all()
+
+
 def test_cross_score_restores_train_mode():
     model = tiny_llama().train()
     cross_score(model, [[3, 1]], [[4, 5]], pad_id=0)

@@ -1,0 +1,162 @@
+"""Speed benchmark: `python ragen_mini.py --bench [any training flags]` (README "Performance").
+
+Runs a few GRPO iterations with the given settings and prints, per iteration, where the time goes: rollout
+(prefill and decode apart, tokens/s), environment, diagnostics, update; then the overhead ratio
+    iteration time / pure model compute
+where pure model compute is timed in the same run on the same work: Hugging Face `model.generate` for every turn
+(same sequences, same context lengths, same number of new tokens) plus one plain forward+backward+AdamW step over
+the same training batch. Also: the update time with --filter none vs snr on the same rollouts, and peak memory.
+Run it alone: two CPU-heavy processes on 2 cores slow torch many times over.
+"""
+import copy, dataclasses, resource, statistics, time
+
+import torch
+import torch.nn.functional as F
+
+import envs
+import ragen_mini as rm
+
+
+class Clock:
+    """Accumulates wall-clock time of model forwards (prefill vs one-token decode) and of env calls."""
+
+    def __init__(self, model):
+        self.t = dict(prefill=0.0, decode=0.0, env=0.0, prefill_tok=0, decode_tok=0)
+        self.on = False
+        model.register_forward_pre_hook(self.pre, with_kwargs=True)
+        model.register_forward_hook(self.post, with_kwargs=True)
+        for name in ("step_reply",):  # environment time: every step of every episode
+            real = getattr(envs, name)
+            setattr(envs, name, self.timed(real))
+        real_make = rm.make_env
+        rm.make_env = self.timed(real_make)
+
+    def timed(self, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.t["env"] += time.perf_counter() - t0
+        return wrapper
+
+    def pre(self, module, args, kwargs):
+        sync()
+        self.t0 = time.perf_counter()
+
+    def post(self, module, args, kwargs, out):
+        if not self.on:
+            return
+        sync()
+        ids = kwargs["input_ids"]
+        kind = "prefill" if ids.shape[1] > 1 else "decode"
+        self.t[kind] += time.perf_counter() - self.t0
+        self.t[kind + "_tok"] += int(kwargs["attention_mask"][:, -ids.shape[1]:].sum()) if "attention_mask" in kwargs else ids.numel()
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def turns_of(e):
+    """(context length, generated length) of each agent turn, read back from the episode's role mask."""
+    out, m = [], e["mask"]
+    for i in range(len(m)):
+        if m[i] and (i == 0 or not m[i - 1]):
+            n = next((j for j in range(i, len(m)) if not m[j]), len(m)) - i
+            out.append((i, n))
+    return out
+
+
+@torch.no_grad()
+def hf_generate_time(model, tok, eps):
+    """Pure generation cost: `model.generate` per turn, same contexts and same number of new tokens."""
+    total, by_turn = 0.0, {}
+    for e in eps:
+        for k, (start, n) in enumerate(turns_of(e)):
+            by_turn.setdefault(k, []).append((e["ids"][:start], n))
+    for k, items in sorted(by_turn.items()):
+        ctx, n = [c for c, _ in items], max(n for _, n in items)
+        T = max(len(c) for c in ctx)
+        ids = torch.tensor([[tok.pad_token_id] * (T - len(c)) + c for c in ctx], device=model.device)
+        attn = torch.tensor([[0] * (T - len(c)) + [1] * len(c) for c in ctx], device=model.device)
+        sync(); t0 = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=n, min_new_tokens=n, do_sample=True,
+                       temperature=1.0, top_k=0, top_p=1.0, pad_token_id=tok.pad_token_id)
+        sync(); total += time.perf_counter() - t0
+    return total
+
+
+def plain_step_time(model, seqs):
+    """Pure training cost: one forward+backward+AdamW step over the same padded batch (next-token loss)."""
+    model = copy.deepcopy(model).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    ids, attn, mask = rm.pad_right([s[:2] for s in seqs], 0, model.device)
+    sync(); t0 = time.perf_counter()
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    loss = (F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none") * mask[:, 1:]).sum() / mask.sum()
+    loss.backward(); opt.step()
+    sync()
+    return time.perf_counter() - t0
+
+
+def main(cfg, iters=4):
+    cfg = dataclasses.replace(cfg, bench=False)
+    device = rm.pick_device(cfg.device)
+    model, tok = rm.load_policy(cfg, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    clock, ema = Clock(model), rm.metrics.ZScoreEMA()
+    P, G = cfg.groups, cfg.group_size
+    print(f"bench: {cfg.model} on {device}, {P} groups x {G}, env {cfg.env}, max_turns {cfg.max_turns or 'env default'}, "
+          f"diagnostics every {cfg.diag_every} steps (amortised), {torch.get_num_threads()} threads")
+    rows = []
+    for it in range(iters + 1):  # iteration 0 warms up allocators and caches; not reported
+        torch.manual_seed(it)
+        clock.t = dict.fromkeys(clock.t, 0)
+        clock.on = True
+        t0 = time.perf_counter()
+        model.eval()
+        eps = rm.rollout(model, tok, cfg, [it * 1000 + g for g in range(P)], G, cfg.temperature)
+        t_roll = time.perf_counter() - t0
+        R = torch.tensor([e["ret"] for e in eps]).view(P, G)
+        seqs = [(e["ids"], e["mask"], e["logp"]) for e in eps]
+        clock.on = False
+        t1 = time.perf_counter()
+        rm.diagnostics(model, tok, eps, G, ema)
+        t_diag = (time.perf_counter() - t1) / cfg.diag_every  # amortised over the diagnostics period
+        model.train()
+        adv = rm.advantages(R, cfg.adv).flatten().to(device)
+        kept = rm.filter_groups(R, "snr", cfg.filter_p, cfg.filter_k, cfg.filter_score, cfg.include_zero)
+        times = {}
+        for mode, groups in (("none", list(range(P))), ("snr", kept)):
+            idx = [g * G + i for g in groups for i in range(G)]
+            m2, o2 = copy.deepcopy(model), None
+            o2 = torch.optim.AdamW(m2.parameters(), lr=cfg.lr)
+            sync(); t2 = time.perf_counter()
+            if idx:
+                rm.update(m2, None, o2, [seqs[i] for i in idx], adv[idx], cfg)
+            sync(); times[mode] = time.perf_counter() - t2
+        t_update = times[cfg.filter if cfg.filter in times else "none"]
+        t_iter = t_roll + t_diag + t_update
+        t_gen = hf_generate_time(model, tok, eps)
+        t_plain = plain_step_time(model, seqs if cfg.filter == "none" else [seqs[g * G + i] for g in kept for i in range(G)] or seqs[:1])
+        c = clock.t
+        row = dict(rollout=t_roll, prefill=c["prefill"], decode=c["decode"], env=c["env"], diag=t_diag, update=t_update,
+                   update_none=times["none"], update_snr=times["snr"], kept=len(kept) / P, iter=t_iter,
+                   prefill_tps=c["prefill_tok"] / max(c["prefill"], 1e-9), decode_tps=c["decode_tok"] / max(c["decode"], 1e-9),
+                   hf_generate=t_gen, plain_step=t_plain, overhead=t_iter / (t_gen + t_plain))
+        if it:
+            rows.append(row)
+            print(f"iter {it}: " + " ".join(f"{k}={v:.3g}" for k, v in row.items()))
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"\nmedian of {len(rows)} iterations ({cfg.filter} filter in the iteration time):")
+    print(f"  iteration {med['iter']:.2f}s = rollout {med['rollout']:.2f}s (prefill {med['prefill']:.2f}s at {med['prefill_tps']:.0f} tok/s, "
+          f"decode {med['decode']:.2f}s at {med['decode_tps']:.0f} tok/s, env {med['env']:.3f}s) + diagnostics {med['diag']:.2f}s + update {med['update']:.2f}s")
+    print(f"  shares of the iteration: env {med['env'] / med['iter']:.1%}, diagnostics {med['diag'] / med['iter']:.1%}, update {med['update'] / med['iter']:.1%}")
+    print(f"  pure model compute: HF generate {med['hf_generate']:.2f}s + plain fwd/bwd/step {med['plain_step']:.2f}s -> overhead ratio {med['overhead']:.2f}")
+    print(f"  update with --filter none {med['update_none']:.2f}s vs snr {med['update_snr']:.2f}s (kept {med['kept']:.2f} of groups): "
+          f"{1 - med['update_snr'] / med['update_none']:.0%} shorter")
+    print(f"  peak memory {peak:.2f} GB ({'GPU allocated' if device.type == 'cuda' else 'process RSS'})")
+    return med

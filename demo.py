@@ -1,0 +1,137 @@
+"""The template-collapse demo: `python ragen_mini.py --demo [--seed N]` (README "The demo").
+
+From one warm-started tiny model, three runs that share seeds, steps and every hyperparameter:
+  (a) no filter   -> low reward-variance groups let the input-agnostic regularisers dominate: MI falls, entropy holds
+  (b) SNR filter  -> only groups with reward spread are trained on: MI and success are kept
+  (c) control     -> no filter, regulariser coefficients x the kept fraction (b) had at each step
+Task: frozenlake-mixed (3 turns, half the maps unsolvable, so half the groups have zero reward variance), with a
+strong entropy bonus and a small KL to the start model, the regularisers whose push is the same for every input.
+Writes DEMO_DIR/{table.md, samples.txt, demo.png} and the three runs' JSONL logs.
+"""
+import dataclasses, json, os, time
+
+import torch
+
+import envs
+import ragen_mini as rm
+
+SETUP = dict(env="frozenlake-mixed", env_args="{}", max_turns=0, max_actions=1, groups=16, group_size=8,
+             steps=150, lr=1e-4, entropy_coeff=0.07, kl_coef=0.03, diag_every=5, gradnorm_every=25,
+             eval_every=25, eval_episodes=64)
+
+
+def rows_of(out):
+    with open(os.path.join(out, "log.jsonl")) as f:
+        return [json.loads(l) for l in f]
+
+
+def last(rows, key):
+    return next((r[key] for r in reversed(rows) if key in r), float("nan"))
+
+
+def sample_reasonings(model, tok, cfg, seeds):
+    """One first-turn reasoning per seed at the evaluation temperature."""
+    torch.manual_seed(0)
+    return [e["first_think"].strip() for e in rm.rollout(model, tok, cfg, seeds, 1, cfg.eval_temperature)]
+
+
+@torch.no_grad()
+def follows_reasoning(model, tok, cfg, n=64):
+    """Does the answer still read the reasoning? Teacher-force map k's expert reasoning under map j's prompt
+    (j != k, different expert moves) and count how often the greedy answer is map k's move, not map j's."""
+    env_j, env_k, chat = rm.make_env(cfg), rm.make_env(cfg), None
+    hits = tot = own = 0
+    for i in range(n):
+        env_j.reset(10**6 + i)
+        env_k.reset(10**6 + n + i)
+        (_, a_j), (z_k, a_k) = env_j.expert(), env_k.expert()
+        if a_j == a_k:
+            continue
+        chat = chat or rm.Chat(tok, env_j.instruction)
+        prompt = chat.first(rm.user_turn(1, env_j.render(), env_j.max_turns)) + chat.encode(f" {z_k} </think> <answer>")
+        new, _, _, _ = rm.generate(model, [prompt], 6, 0.0, tok.eos_token_id, tok.pad_token_id)
+        answer = tok.decode(new[0], skip_special_tokens=True).split("</answer>")[0].strip().lower()
+        hits, own, tot = hits + (answer == a_k), own + (answer == a_j), tot + 1
+    return hits / max(tot, 1), own / max(tot, 1)
+
+
+def plot(runs, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install matplotlib): no figure; plot from the JSONL logs instead")
+        return False
+    keys = [("eval_success", "eval success (T=0.5)"), ("token_entropy", "reasoning token entropy"),
+            ("mi", "MI estimate (nats)"), ("retrieval", "retrieval accuracy"), ("kept_frac", "kept fraction")]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, (k, title) in zip(axes.flat, keys):
+        for label, rows in runs.items():
+            pts = [(r["step"], r[k]) for r in rows if k in r]
+            ax.plot(*zip(*pts), label=label, marker="." if k == "eval_success" else None)
+        if k == "retrieval":
+            ax.axhline(runs[next(iter(runs))][0]["retrieval_chance"], color="grey", ls=":", label="chance")
+        ax.set_title(title); ax.set_xlabel("step")
+    axes.flat[0].legend()
+    ax = axes.flat[5]  # gradient norms by reward-variance bucket, averaged over the logged steps of run (a)
+    rows = [r for r in runs[next(iter(runs))] if "gn_task_b0" in r]
+    for i, name in enumerate(["task", "entropy", "kl"]):
+        vals = [sum(r[f"gn_{name}_b{b}"] for r in rows) / len(rows) for b in range(3)]
+        ax.bar([b + 0.27 * (i - 1) for b in range(3)], vals, width=0.27, label=name)
+    ax.set_xticks(range(3), ["low RV", "mid RV", "high RV"]); ax.set_title("gradient norm by reward-variance bucket (a)")
+    ax.legend()
+    fig.tight_layout(); fig.savefig(path, dpi=90)
+    return True
+
+
+def main(cfg):
+    out = os.path.join(cfg.out, f"demo-s{cfg.seed}")
+    base = dataclasses.replace(cfg, **SETUP, demo=False, out=out)
+    t0 = time.time()
+    a = dataclasses.replace(base, filter="none", name="a_no_filter")
+    b = dataclasses.replace(base, filter="snr", name="b_snr_filter")
+    c = dataclasses.replace(base, filter="none", name="c_control", reg_scale_from=os.path.join(out, "b_snr_filter", "log.jsonl"))
+    models, runs, times = {}, {}, {}
+    for label, run_cfg in [("(a) no filter", a), ("(b) SNR filter", b), ("(c) control", c)]:
+        print(f"\n=== {label}: {run_cfg.steps} steps, filter={run_cfg.filter}" + (", regularisers x kept fraction of (b)" if run_cfg.reg_scale_from else ""))
+        summary, models[label], tok = rm.train(run_cfg, quiet=False)
+        runs[label], times[label] = rows_of(summary["out"]), summary["sec"]
+    start, _ = rm.load_policy(base, rm.pick_device(base.device))  # the warm start, from the cache
+    first = runs["(a) no filter"][0]
+    table = ["| | warm start | " + " | ".join(runs) + " |", "|---" * (len(runs) + 2) + "|"]
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
+    stats = {"warm start": dict(eval_success=first.get("eval_start", rm.evaluate(start, tok, base)),
+                                token_entropy=first["token_entropy"], mi=first["mi"], ret=first["retrieval"] - first["retrieval_chance"],
+                                mi_zscore_ema=first["mi_zscore_ema"], kept="-", skipped="-", alarm="-", sec="-")}
+    for label, rows in runs.items():
+        stats[label] = dict(eval_success=last(rows, "eval_success"), token_entropy=last(rows, "token_entropy"), mi=last(rows, "mi"),
+                            ret=last(rows, "retrieval") - last(rows, "retrieval_chance"), mi_zscore_ema=last(rows, "mi_zscore_ema"),
+                            kept=sum(r["kept_frac"] for r in rows) / len(rows), skipped=sum(r.get("skipped", 0) for r in rows),
+                            alarm="fired" if any(r.get("alarm") for r in rows) else "quiet", sec=f"{times[label]:.0f}s")
+    names = [("eval_success", "eval success (64 held-out maps, T=0.5)"), ("token_entropy", "reasoning token entropy"),
+             ("mi", "MI estimate (nats)"), ("ret", "retrieval accuracy above chance"), ("mi_zscore_ema", "MI z-score (EMA)"),
+             ("kept", "mean kept fraction"), ("skipped", "skipped steps"), ("alarm", "collapse alarm"), ("sec", "wall-clock")]
+    for key, title in names:
+        table.append(f"| {title} | " + " | ".join(fmt(s[key]) for s in stats.values()) + " |")
+    gn = [r for r in runs["(a) no filter"] if "gn_task_b0" in r]
+    lines = ["\ngradient norms by reward-variance bucket, run (a), mean over %d logged steps:" % len(gn)]
+    for name in ["task", "entropy", "kl"]:
+        lines.append(f"  {name:8s} " + "  ".join(f"b{b}={sum(r[f'gn_{name}_b{b}'] for r in gn) / max(len(gn), 1):.4f}" for b in range(3)))
+    # what collapse looks like: the same maps, reasoning from each model; and does the answer read the reasoning?
+    seeds = [10**6 + i for i in range(4)]
+    samples = {"warm start": sample_reasonings(start, tok, base, seeds)} | {k: sample_reasonings(m, tok, base, seeds) for k, m in models.items()}
+    env, text = rm.make_env(base), []
+    for i, s in enumerate(seeds):
+        text.append(f"--- map {s} ---\n{env.reset(s)}\nexpert: {env.expert()[0]}")
+        text += [f"{k:>16}: {v[i][:150]}" for k, v in samples.items()]
+    text.append("\nanswer follows a teacher-forced reasoning from another map (follow rate / own-map rate):")
+    for k, m in [("warm start", start)] + list(models.items()):
+        f, o = follows_reasoning(m, tok, base)
+        text.append(f"{k:>16}: {f:.2f} / {o:.2f}")
+    report = "\n".join(table + lines) + "\n\n" + "\n".join(text)
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(report + "\n")
+    png = plot(runs, os.path.join(out, "demo.png"))
+    print("\n" + report)
+    print(f"\ndemo finished in {time.time() - t0:.0f}s; written to {out}/" + (" (table.md, demo.png)" if png else " (table.md)"))
