@@ -446,6 +446,7 @@ def grad_norms_by_bucket(model, ref, seqs, returns, cfg, n_buckets=3):
 def evaluate(model, tok, cfg, n=None):
     """Success rate on held-out seeds (>= 1e6, never used for training) at the evaluation temperature."""
     n = n or cfg.eval_episodes
+    torch.manual_seed(10**6)  # the same sampling noise at every evaluation: runs compare on equal terms
     eps = rollout(model, tok, cfg, [10**6 + i for i in range(n)], 1, cfg.eval_temperature)
     return sum(e["success"] for e in eps) / n
 
