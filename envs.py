@@ -213,7 +213,7 @@ class FrozenLake(Env):
 
 
 def frozenlake_mixed(**kwargs):
-    """FrozenLake where half the maps are unsolvable and there are 3 turns: the collapse demo's task."""
+    """FrozenLake where 3 maps in 4 are unsolvable and there are 3 turns: the collapse demo's task."""
     env = FrozenLake(**{"unsolvable_frac": 0.75, "max_turns": 3, **kwargs})
     env.name = "frozenlake-mixed"
     return env

@@ -205,13 +205,14 @@ def tiny_policy(cfg, device):
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     key = {k: getattr(cfg, k) for k in ("env", "env_args", "max_turns", "tiny_dim", "tiny_layers", "warmup_steps",
-                                        "warmup_lr")} | {"version": 2}  # one warm start shared by every RL --seed
+                                        "warmup_lr")} | {"version": 3}  # one warm start shared by every RL --seed
     path = os.path.join(os.path.expanduser(cfg.cache_dir),
                         "tiny-" + hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10])
     if os.path.exists(os.path.join(path, "model.safetensors")):
         tok = PreTrainedTokenizerFast.from_pretrained(path, padding_side="left")
         return LlamaForCausalLM.from_pretrained(path).to(device), tok
-    env, turns = make_env(cfg), cfg.max_turns or make_env(cfg).max_turns
+    env = make_env(cfg)
+    turns = cfg.max_turns or env.max_turns
     rng = random.Random(0)
     seeds = [rng.randrange(10**6) for _ in range(32 * cfg.warmup_steps + 300)]  # training seeds: [0, 1e6)
     # 1. tokenizer: byte-level BPE trained on expert transcripts, so any text tokenizes (no unknown words)
