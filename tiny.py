@@ -1,0 +1,85 @@
+"""The embedded tiny model (`--model tiny`, the default): no hub access needed.
+
+A byte-level BPE tokenizer trained on the environment's own text, a 2-layer Llama from a transformers config, and a
+supervised warm start on expert conversations whose <think> states the facts of the observation, so reasoning
+starts out input-dependent. Built once per setting and cached on disk; every RL --seed shares it.
+"""
+import hashlib, json, math, os, random
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import ragen_mini as rm
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def expert_episode(env, seed, chat, max_turns):
+    """One expert conversation as (tokens, agent mask): the warm-start data."""
+    obs, ids, mask = env.reset(seed), [], []
+    user, reward = rm.user_turn(1, obs, max_turns), None
+    for turn in range(1, max_turns + 1):
+        prompt = chat.first(user) if turn == 1 else chat.next(user)
+        think, action = env.expert()
+        reply = chat.encode(f" {think} </think> <answer> {action} </answer>") + [chat.tok.eos_token_id]
+        ids, mask = ids + prompt + reply, mask + [0] * len(prompt) + [1] * len(reply)
+        obs, reward, done, _ = env.step(action)
+        if done:
+            break
+        user = rm.user_turn(turn + 1, obs, max_turns - turn, reward)
+    return ids, mask
+
+
+def tiny_policy(cfg, device):
+    """Build a word-piece tokenizer and a small Llama from the env's own text, warm-start it on expert
+    trajectories (supervised, loss on agent tokens only), cache both on disk keyed by the settings."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    key = {k: getattr(cfg, k) for k in ("env", "env_args", "max_turns", "tiny_dim", "tiny_layers", "warmup_steps",
+                                        "warmup_lr")} | {"version": 3}  # one warm start shared by every RL --seed
+    path = os.path.join(os.path.expanduser(cfg.cache_dir),
+                        "tiny-" + hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10])
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        tok = PreTrainedTokenizerFast.from_pretrained(path, padding_side="left")
+        return LlamaForCausalLM.from_pretrained(path).to(device), tok
+    env = rm.make_env(cfg)
+    turns = cfg.max_turns or env.max_turns
+    rng = random.Random(0)
+    seeds = [rng.randrange(10**6) for _ in range(32 * cfg.warmup_steps + 300)]  # training seeds: [0, 1e6)
+    # 1. tokenizer: byte-level BPE trained on expert transcripts, so any text tokenizes (no unknown words)
+    texts = []
+    for s in seeds[:300]:
+        env.reset(s)
+        think, action = env.expert()
+        texts += [f"system\n{rm.SYSTEM}{env.instruction}\n", f"user\n{rm.user_turn(1, env.render(), turns, 0.0)}\n",
+                  f"assistant\n {think} \n <answer> {action} \n"]  # tags and <|im_*|> are added tokens
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=1024, special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<|im_end|>",
+                                  padding_side="left", chat_template=CHATML)
+    tok.add_tokens(["<think>", "</think>", "<answer>", "</answer>"])  # plain (not special): decode keeps them
+    # 2. model
+    torch.manual_seed(0)
+    d = cfg.tiny_dim
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=d, intermediate_size=2 * d,
+                                         num_hidden_layers=cfg.tiny_layers, num_attention_heads=4, num_key_value_heads=4,
+                                         max_position_embeddings=2048, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+                                         eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)).to(device)
+    # 3. warm start: supervised on expert conversations, stopped early so RL has room to improve
+    chat = rm.Chat(tok, env.instruction)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1, (i + 1) / 50) * (0.55 + 0.45 * math.cos(math.pi * i / max(cfg.warmup_steps, 1))))
+    for i in tqdm(range(cfg.warmup_steps), desc="warm start (cached after the first run)"):
+        batch = [expert_episode(env, s, chat, turns) for s in seeds[300 + 32 * i: 300 + 32 * (i + 1)]]  # fresh maps
+        ids, attn, mask = rm.pad_right(batch, tok.pad_token_id, device)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()  # supervised on the agent's tokens only
+        opt.zero_grad(); loss.backward(); opt.step(); sched.step()
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path); tok.save_pretrained(path)
+    return model, tok
