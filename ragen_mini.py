@@ -48,7 +48,7 @@ class Config:
     # --- rollout ---
     groups: int = 8  # prompt groups per step (ref: env_groups)
     group_size: int = 8  # samples per prompt, all from the same env seed (ref: group_size; TRL: num_generations)
-    max_new_tokens: int = 0  # tokens per agent turn; 0 = the env's default (32, or 64 for countdown/webshop/code)
+    max_new_tokens: int = 0  # tokens per agent turn; 0 = the env's default (32 or 64: fits its expert; real models want more)
     temperature: float = 1.0  # sampling temperature for training rollouts
     # --- GRPO ---
     steps: int = 60  # RL iterations
