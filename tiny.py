@@ -33,7 +33,7 @@ def expert_episode(env, seed, chat, max_turns):
 
 
 def tiny_policy(cfg, device):
-    """Build a word-piece tokenizer and a small Llama from the env's own text, warm-start it on expert
+    """Build a byte-level BPE tokenizer and a small Llama from the env's own text, warm-start it on expert
     trajectories (supervised, loss on agent tokens only), cache both on disk keyed by the settings."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
