@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import envs
 import ragen_mini as rm
+from tiny import expert_episode as warm_start_episode
 from envs import FORMAT_PENALTY, ENVS, make_env, parse_reply, step_reply
 from metrics import ZScoreEMA, cross_score, mi_metrics, token_entropy, variance_buckets
 
@@ -186,14 +187,10 @@ def test_expert_replies_fit_the_default_turn_budget(name, tmp_path):
     cfg = rm.parse_args(["--env", name, "--warmup-steps", "0", "--tiny-dim", "32", "--cache-dir", str(tmp_path)])
     _, tok = rm.load_policy(cfg, torch.device("cpu"))
     env, longest = make_env(name), 0
-    for seed in range(100):
-        env.reset(10**6 + seed)
-        for _ in range(env.max_turns):
-            think, action = env.expert()
-            reply = tok(f" {think} </think> <answer> {action} </answer>", add_special_tokens=False).input_ids
-            longest = max(longest, len(reply) + 1)  # + EOS
-            if env.step(action)[2]:
-                break
+    chat = rm.Chat(tok, env.instruction)
+    for seed in range(100):  # the warm start's own conversations: each run of agent tokens is one reply + EOS
+        _, mask = warm_start_episode(env, 10**6 + seed, chat, env.max_turns)
+        longest = max(longest, *map(len, "".join(map(str, mask)).split("0")))
     assert longest <= env.reply_tokens, (name, longest, env.reply_tokens)
 
 
