@@ -4,8 +4,9 @@ From one warm-started tiny model, three runs that share seeds, steps and every h
   (a) no filter   -> low reward-variance groups let the input-agnostic regularisers dominate: MI falls, entropy holds
   (b) SNR filter  -> only groups with reward spread are trained on: MI and success are kept
   (c) control     -> no filter, regulariser coefficients x the kept fraction (b) had at each step
-Task: frozenlake-mixed (3 turns, 3 maps in 4 unsolvable, so most groups have zero reward variance), with a
-strong entropy bonus and a small KL to the start model, the regularisers whose push is the same for every input.
+Task: frozenlake-mixed (3 turns, 3 maps in 4 unsolvable) without the format penalty, so a group on an unsolvable
+map has exactly zero reward variance; a strong entropy bonus and a small KL to the start model, the regularisers
+whose push is the same for every input.
 Writes DEMO_DIR/{table.md, samples.txt, demo.png} and the three runs' JSONL logs.
 """
 import dataclasses, json, os, time
@@ -14,9 +15,9 @@ import torch
 
 import ragen_mini as rm
 
-SETUP = dict(env="frozenlake-mixed", env_args="{}", max_turns=0, max_actions=1, groups=8, group_size=8,
-             max_new_tokens=24, steps=150, lr=3e-4, entropy_coeff=0.07, kl_coef=0.03, diag_every=5,
-             gradnorm_every=25, eval_every=25, eval_episodes=64)
+SETUP = dict(env="frozenlake-mixed", env_args='{"format_penalty": 0}', max_turns=0, max_actions=1, groups=8,
+             group_size=8, max_new_tokens=0, steps=150, lr=3e-4, entropy_coeff=0.035, kl_coef=0.015, diag_every=5,
+             gradnorm_every=25, eval_every=25, eval_episodes=128)
 
 
 def rows_of(out):
@@ -108,7 +109,7 @@ def main(cfg):
                             ret=last(rows, "retrieval") - last(rows, "retrieval_chance"), mi_zscore_ema=last(rows, "mi_zscore_ema"),
                             kept=sum(r["kept_frac"] for r in rows) / len(rows), skipped=sum(r.get("skipped", 0) for r in rows),
                             alarm="fired" if any(r.get("alarm") for r in rows) else "quiet", sec=f"{times[label]:.0f}s")
-    names = [("eval_success", "eval success (64 held-out maps, T=0.5)"), ("token_entropy", "reasoning token entropy"),
+    names = [("eval_success", f"eval success ({base.eval_episodes} held-out maps, T=0.5)"), ("token_entropy", "reasoning token entropy"),
              ("mi", "MI estimate (nats)"), ("ret", "retrieval accuracy above chance"), ("mi_zscore_ema", "MI z-score (EMA)"),
              ("kept", "mean kept fraction"), ("skipped", "skipped steps"), ("alarm", "collapse alarm"), ("sec", "wall-clock")]
     for key, title in names:

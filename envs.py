@@ -6,8 +6,9 @@ deterministically from the seed and returns the observation text, `step(action)`
 action that solves the instance (used for the supervised warm start and in the tests).
 
 The agent replies `<think> ... </think> <answer> a1 || a2 </answer>`; `parse_reply` splits that and
-`step_reply` applies up to two actions. An invalid action costs FORMAT_PENALTY, leaves the state unchanged,
-and the episode goes on. `ENVS` is the registry and `make_env(name)` builds one by name.
+`step_reply` applies up to two actions. An invalid action costs the env's `format_penalty` (FORMAT_PENALTY,
+-0.1, unless `make_env(..., format_penalty=x)` says otherwise), leaves the state unchanged, and the episode goes
+on. `ENVS` is the registry and `make_env(name)` builds one by name.
 Pure standard library: no torch, no numpy, no file I/O.
 """
 import ast
@@ -56,11 +57,11 @@ def step_reply(env, reply, max_actions=2):
     """Apply a whole reply: up to `max_actions` actions, stopping early when the episode ends.
 
     Returns (observation, summed reward, done, info); info has "format_ok", "valid" (all actions valid) and
-    "success". A malformed reply costs FORMAT_PENALTY and changes nothing.
+    "success". A malformed reply costs the env's format_penalty and changes nothing.
     """
     _, actions = parse_reply(reply)
     if actions is None:
-        return env.render(), FORMAT_PENALTY, False, {"valid": False, "success": False, "format_ok": False}
+        return env.render(), env.format_penalty, False, {"valid": False, "success": False, "format_ok": False}
     total, all_valid = 0.0, True
     for action in actions[:max_actions]:
         obs, reward, done, info = env.step(action)
@@ -81,6 +82,7 @@ class Env:
     instruction = ""  # the task and the action syntax, for the system prompt
     max_turns = 1
     reply_tokens = 32  # default token budget per agent turn: the expert's replies fit (tiny tokenizer), with room
+    format_penalty = FORMAT_PENALTY  # reward of a malformed reply or an invalid action (make_env can override it)
     done = success = False
 
     def step(self, action):
@@ -88,7 +90,7 @@ class Env:
             return self.render(), 0.0, True, {"valid": True, "success": self.success}
         reward = self._apply(action.strip()) if isinstance(action, str) else None
         if reward is None:
-            return self.render(), FORMAT_PENALTY, False, {"valid": False, "success": False}
+            return self.render(), self.format_penalty, False, {"valid": False, "success": False}
         return self.render(), reward, self.done, {"valid": True, "success": self.success}
 
 
@@ -791,8 +793,11 @@ ENVS = {
 }
 
 
-def make_env(name, **kwargs):
-    """Build a registered environment by name, e.g. make_env("sokoban", max_turns=8)."""
+def make_env(name, format_penalty=FORMAT_PENALTY, **kwargs):
+    """Build a registered environment by name, e.g. make_env("sokoban", max_turns=8). `format_penalty` (any env)
+    is the reward of a malformed reply or an invalid action; 0 makes a group that never succeeds have zero spread."""
     if name not in ENVS:
         raise ValueError(f"unknown env {name!r}; choose from: {', '.join(ENVS)}")
-    return ENVS[name](**kwargs)
+    env = ENVS[name](**kwargs)
+    env.format_penalty = float(format_penalty)
+    return env

@@ -101,6 +101,10 @@ def parse_args(argv=None) -> Config:
         assert isinstance(json.loads(cfg.env_args), dict)
     except (ValueError, AssertionError):
         p.error(f"--env-args must be a JSON object, got {cfg.env_args!r}")
+    try:
+        make_env(cfg).reset(0)
+    except (TypeError, ValueError) as e:
+        p.error(f"--env-args {cfg.env_args} do not fit env {cfg.env!r}: {e}")
     if min(cfg.groups, cfg.group_size, cfg.steps + 1, cfg.max_new_tokens + 1, cfg.micro_batch) < 1:
         p.error("--groups, --group-size and --micro-batch must be >= 1, --steps and --max-new-tokens >= 0")
     return cfg

@@ -138,6 +138,16 @@ def test_parse_reply_is_linear_on_adversarial_input():
         assert time.perf_counter() - t < 0.1
 
 
+def test_format_penalty_is_a_setting_of_every_env():
+    """The demo sets it to 0 so that a group that never succeeds has exactly zero reward spread."""
+    for name in ENVS:
+        env = make_env(name, format_penalty=0)
+        env.reset(3)
+        assert step_reply(env, "garbage")[1] == 0.0
+        assert env.step("\x00 not an action")[1:3] == (0.0, False)
+        assert make_env(name).format_penalty == FORMAT_PENALTY == -0.1
+
+
 def test_step_reply():
     env = make_env("sokoban")
     env.reset(0)
@@ -820,7 +830,8 @@ def test_cli_end_to_end_and_resume(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--filter", "bogus"], "invalid choice"), (["--env", "chess"], "invalid choice"), (["--no-such-flag"], "unrecognized"),
-    (["--env-args", "{oops"], "JSON object"), (["--groups", "0"], ">= 1"), (["--max-new-tokens", "-1"], ">= 0"),
+    (["--env-args", "{oops"], "JSON object"), (["--env-args", '{"holes": 3}'], "do not fit env"),
+    (["--env-args", '{"format_penalty": "high"}'], "do not fit env"), (["--groups", "0"], ">= 1"), (["--max-new-tokens", "-1"], ">= 0"),
     (["--model", "/nonexistent/model", "--steps", "1"], "error:")])
 def test_bad_input_gets_one_clear_line(args, message, tmp_path):
     r = run_cli(*args, "--out", str(tmp_path), timeout=120)

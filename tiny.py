@@ -37,8 +37,10 @@ def tiny_policy(cfg, device):
     trajectories (supervised, loss on agent tokens only), cache both on disk keyed by the settings."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    key = {k: getattr(cfg, k) for k in ("env", "env_args", "max_turns", "tiny_dim", "tiny_layers", "warmup_steps",
-                                        "warmup_lr")} | {"version": 3}  # one warm start shared by every RL --seed
+    key = {k: getattr(cfg, k) for k in ("env", "max_turns", "tiny_dim", "tiny_layers", "warmup_steps", "warmup_lr")}
+    key |= {"version": 4, "env_args": json.dumps({k: v for k, v in json.loads(cfg.env_args).items()
+                                                  if k != "format_penalty"})}  # rewards do not change expert data
+    # one warm start, shared by every RL --seed
     path = os.path.join(os.path.expanduser(cfg.cache_dir),
                         "tiny-" + hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10])
     if os.path.exists(os.path.join(path, "model.safetensors")):
@@ -74,12 +76,18 @@ def tiny_policy(cfg, device):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1, (i + 1) / 50) * (0.55 + 0.45 * math.cos(math.pi * i / max(cfg.warmup_steps, 1))))
     for i in tqdm(range(cfg.warmup_steps), desc="warm start (cached after the first run)"):
-        batch = [expert_episode(env, s, chat, turns) for s in seeds[300 + 32 * i: 300 + 32 * (i + 1)]]  # fresh maps
-        ids, attn, mask = rm.pad_right(batch, tok.pad_token_id, device)
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-        nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()  # supervised on the agent's tokens only
-        opt.zero_grad(); loss.backward(); opt.step(); sched.step()
+        batch = sorted((expert_episode(env, s, chat, turns) for s in seeds[300 + 32 * i: 300 + 32 * (i + 1)]),
+                       key=lambda b: len(b[0]))  # 32 fresh maps; similar lengths share a micro-batch: less padding
+        n = sum(sum(mask) for _, mask in batch)  # agent tokens in the step: the loss is their mean
+        opt.zero_grad()
+        for j in range(0, len(batch), 8):
+            ids, attn, mask = rm.pad_right(batch[j:j + 8], tok.pad_token_id, device)
+            hidden = model.model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]  # [8, T-1, d]
+            agent = mask[:, 1:].bool()  # predict token t+1 from position t, on the agent's tokens only (19%)
+            nll = F.cross_entropy(model.lm_head(hidden[agent]).float(), ids[:, 1:][agent], reduction="sum")
+            (nll / n).backward()  # the LM head runs on the agent's positions alone
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # without it a late loss spike can undo the warm start
+        opt.step(); sched.step()
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path); tok.save_pretrained(path)
     return model, tok
