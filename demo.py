@@ -32,7 +32,8 @@ def last(rows, key):
 def sample_reasonings(model, tok, cfg, seeds):
     """One first-turn reasoning per seed at the evaluation temperature."""
     torch.manual_seed(0)
-    return [e["first_think"].strip() for e in rm.rollout(model, tok, cfg, seeds, 1, cfg.eval_temperature)]
+    eps = rm.rollout(model, tok, cfg, seeds, 1, cfg.eval_temperature)
+    return ["".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in e["first_think"].strip()) for e in eps]  # no raw control bytes
 
 
 @torch.no_grad()
@@ -55,6 +56,14 @@ def follows_reasoning(model, tok, cfg, n=64):
     return hits / max(tot, 1), own / max(tot, 1)
 
 
+def bucket_norms(rows):
+    """Mean task / entropy / KL gradient norm per reward-variance bucket over the logged steps where the buckets
+    differ (top bucket with spread): once every group has zero variance the buckets are an arbitrary split."""
+    rows = [r for r in rows if "gn_task_b0" in r and r["rv_b2"] > 0]
+    return {name: [sum(r[f"gn_{name}_b{b}"] for r in rows) / max(len(rows), 1) for b in range(3)]
+            for name in ["task", "entropy", "kl"]}, len(rows)
+
+
 def plot(runs, path):
     try:
         import matplotlib
@@ -75,9 +84,9 @@ def plot(runs, path):
         ax.set_title(title); ax.set_xlabel("step")
     axes.flat[0].legend()
     ax = axes.flat[5]  # gradient norms by reward-variance bucket, averaged over the logged steps of run (a)
-    rows = [r for r in runs[next(iter(runs))] if "gn_task_b0" in r]
+    norms, _ = bucket_norms(runs[next(iter(runs))])
     for i, name in enumerate(["task", "entropy", "kl"]):
-        vals = [sum(r[f"gn_{name}_b{b}"] for r in rows) / len(rows) for b in range(3)]
+        vals = norms[name]
         ax.bar([b + 0.27 * (i - 1) for b in range(3)], vals, width=0.27, label=name)
     ax.set_xticks(range(3), ["low RV", "mid RV", "high RV"]); ax.set_title("gradient norm by reward-variance bucket (a)")
     ax.legend()
@@ -114,10 +123,9 @@ def main(cfg):
              ("kept", "mean kept fraction"), ("skipped", "skipped steps"), ("alarm", "collapse alarm"), ("sec", "wall-clock")]
     for key, title in names:
         table.append(f"| {title} | " + " | ".join(fmt(s[key]) for s in stats.values()) + " |")
-    gn = [r for r in runs["(a) no filter"] if "gn_task_b0" in r]
-    lines = ["\ngradient norms by reward-variance bucket, run (a), mean over %d logged steps:" % len(gn)]
-    for name in ["task", "entropy", "kl"]:
-        lines.append(f"  {name:8s} " + "  ".join(f"b{b}={sum(r[f'gn_{name}_b{b}'] for r in gn) / max(len(gn), 1):.4f}" for b in range(3)))
+    norms, n = bucket_norms(runs["(a) no filter"])
+    lines = [f"\ngradient norms by reward-variance bucket, run (a), mean over the {n} logged steps whose top bucket has reward spread:"]
+    lines += [f"  {name:8s} " + "  ".join(f"b{b}={v:.4f}" for b, v in enumerate(vals)) for name, vals in norms.items()]
     # what collapse looks like: the same maps, reasoning from each model; and does the answer read the reasoning?
     seeds = [10**6 + i for i in range(4)]
     samples = {"warm start": sample_reasonings(start, tok, base, seeds)} | {k: sample_reasonings(m, tok, base, seeds) for k, m in models.items()}
