@@ -85,8 +85,7 @@ def plot(runs, path):
     axes.flat[0].legend()
     ax = axes.flat[5]  # gradient norms by reward-variance bucket, averaged over the logged steps of run (a)
     norms, _ = bucket_norms(runs[next(iter(runs))])
-    for i, name in enumerate(["task", "entropy", "kl"]):
-        vals = norms[name]
+    for i, (name, vals) in enumerate(norms.items()):
         ax.bar([b + 0.27 * (i - 1) for b in range(3)], vals, width=0.27, label=name)
     ax.set_xticks(range(3), ["low RV", "mid RV", "high RV"]); ax.set_title("gradient norm by reward-variance bucket (a)")
     ax.legend()

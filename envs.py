@@ -793,11 +793,13 @@ ENVS = {
 }
 
 
-def make_env(name, format_penalty=FORMAT_PENALTY, **kwargs):
+def make_env(name, format_penalty=None, **kwargs):
     """Build a registered environment by name, e.g. make_env("sokoban", max_turns=8). `format_penalty` (any env)
-    is the reward of a malformed reply or an invalid action; 0 makes a group that never succeeds have zero spread."""
+    is the reward of a malformed reply or an invalid action (default `Env.format_penalty`); 0 makes a group that
+    never succeeds have zero spread."""
     if name not in ENVS:
         raise ValueError(f"unknown env {name!r}; choose from: {', '.join(ENVS)}")
     env = ENVS[name](**kwargs)
-    env.format_penalty = float(format_penalty)
+    if format_penalty is not None:
+        env.format_penalty = float(format_penalty)
     return env

@@ -78,7 +78,7 @@ def tiny_policy(cfg, device):
     for i in tqdm(range(cfg.warmup_steps), desc="warm start (cached after the first run)"):
         batch = sorted((expert_episode(env, s, chat, turns) for s in seeds[300 + 32 * i: 300 + 32 * (i + 1)]),
                        key=lambda b: len(b[0]))  # 32 fresh maps; similar lengths share a micro-batch: less padding
-        n = sum(sum(mask) for _, mask in batch)  # agent tokens in the step: the loss is their mean
+        n = sum(sum(m) for _, m in batch)  # agent tokens in the step: the loss is their mean
         opt.zero_grad()
         for j in range(0, len(batch), 8):
             ids, attn, mask = rm.pad_right(batch[j:j + 8], tok.pad_token_id, device)
