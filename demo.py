@@ -36,6 +36,14 @@ def sample_reasonings(model, tok, cfg, seeds):
     return ["".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in e["first_think"].strip()) for e in eps]  # no raw control bytes
 
 
+def heldout_mi(model, tok, cfg, groups=32):
+    """The MI proxies on one fixed held-out batch, the same maps and sampling noise for every model: 32 maps x G
+    samples at the training temperature, so a model's final reading is not one noisy 8-map training batch."""
+    torch.manual_seed(0)
+    eps = rm.rollout(model, tok, cfg, [10**6 + i for i in range(groups)], cfg.group_size, cfg.temperature)
+    return rm.diagnostics(model, tok, eps, cfg.group_size, rm.metrics.ZScoreEMA())
+
+
 @torch.no_grad()
 def follows_reasoning(model, tok, cfg, n=64):
     """Does the answer still read the reasoning? Teacher-force map k's expert reasoning under map j's prompt
@@ -106,6 +114,7 @@ def main(cfg):
         summary, models[label], tok = rm.train(run_cfg, quiet=False)
         runs[label], times[label], eval_start = rows_of(summary["out"]), summary["sec"], summary["eval_start"]
     start, _ = rm.load_policy(base, rm.pick_device(base.device))  # the warm start, from the cache
+    held = {k: heldout_mi(m, tok, base) for k, m in [("warm start", start)] + list(models.items())}
     first = runs["(a) no filter"][0]
     table = ["| | warm start | " + " | ".join(runs) + " |", "|---" * (len(runs) + 2) + "|"]
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
@@ -117,8 +126,12 @@ def main(cfg):
                             ret=last(rows, "retrieval") - last(rows, "retrieval_chance"), mi_zscore_ema=last(rows, "mi_zscore_ema"),
                             kept=sum(r["kept_frac"] for r in rows) / len(rows), skipped=sum(r.get("skipped", 0) for r in rows),
                             alarm="fired" if any(r.get("alarm") for r in rows) else "quiet", sec=f"{times[label]:.0f}s")
+    for label, h in held.items():  # one held-out batch for every model
+        stats[label] |= dict(mi_held=h["mi"], ret_held=h["retrieval"] - h["retrieval_chance"])
     names = [("eval_success", f"eval success ({base.eval_episodes} held-out maps, T=0.5)"), ("token_entropy", "reasoning token entropy"),
-             ("mi", "MI estimate (nats)"), ("ret", "retrieval accuracy above chance"), ("mi_zscore_ema", "MI z-score (EMA)"),
+             ("mi", "MI estimate (nats)"), ("ret", "retrieval accuracy above chance"),
+             ("mi_held", f"MI estimate, held-out batch (32 maps x {base.group_size})"), ("ret_held", "retrieval above chance, held-out batch"),
+             ("mi_zscore_ema", "MI z-score (EMA)"),
              ("kept", "mean kept fraction"), ("skipped", "skipped steps"), ("alarm", "collapse alarm"), ("sec", "wall-clock")]
     for key, title in names:
         table.append(f"| {title} | " + " | ".join(fmt(s[key]) for s in stats.values()) + " |")

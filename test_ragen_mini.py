@@ -844,7 +844,7 @@ def test_demo_code_path_runs_shortened(tmp_path, monkeypatch, capsys):
     assert cfg["reg_scale_from"].endswith("b_snr_filter/log.jsonl") and cfg["filter"] == "none"
     assert json.load(open(out / "b_snr_filter" / "config.json"))["filter"] == "snr"
     table = (out / "table.md").read_text()
-    for needle in ["| eval success", "| MI estimate", "| collapse alarm", "gradient norms by reward-variance bucket",
+    for needle in ["| eval success", "| MI estimate", "| MI estimate, held-out batch", "| collapse alarm", "gradient norms by reward-variance bucket",
                    "--- map 1000000 ---", "answer follows a teacher-forced reasoning"]:
         assert needle in table, needle
     try:
