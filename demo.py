@@ -36,11 +36,14 @@ def sample_reasonings(model, tok, cfg, seeds):
     return ["".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in e["first_think"].strip()) for e in eps]  # no raw control bytes
 
 
-def heldout_mi(model, tok, cfg, groups=32):
-    """The MI proxies on one fixed held-out batch, the same maps and sampling noise for every model: 32 maps x G
-    samples at the training temperature, so a model's final reading is not one noisy 8-map training batch."""
+HELDOUT_MAPS = 32  # maps in the fixed held-out batch that scores every model's MI
+
+
+def heldout_mi(model, tok, cfg):
+    """The MI proxies on one fixed held-out batch, the same maps and sampling noise for every model: HELDOUT_MAPS
+    maps x G samples at the training temperature, so a final reading is not one noisy 8-map training batch."""
     torch.manual_seed(0)
-    eps = rm.rollout(model, tok, cfg, [10**6 + i for i in range(groups)], cfg.group_size, cfg.temperature)
+    eps = rm.rollout(model, tok, cfg, [10**6 + i for i in range(HELDOUT_MAPS)], cfg.group_size, cfg.temperature)
     return rm.diagnostics(model, tok, eps, cfg.group_size, rm.metrics.ZScoreEMA())
 
 
@@ -130,7 +133,7 @@ def main(cfg):
         stats[label] |= dict(mi_held=h["mi"], ret_held=h["retrieval"] - h["retrieval_chance"])
     names = [("eval_success", f"eval success ({base.eval_episodes} held-out maps, T=0.5)"), ("token_entropy", "reasoning token entropy"),
              ("mi", "MI estimate (nats)"), ("ret", "retrieval accuracy above chance"),
-             ("mi_held", f"MI estimate, held-out batch (32 maps x {base.group_size})"), ("ret_held", "retrieval above chance, held-out batch"),
+             ("mi_held", f"MI estimate, held-out batch ({HELDOUT_MAPS} maps x {base.group_size})"), ("ret_held", "retrieval above chance, held-out batch"),
              ("mi_zscore_ema", "MI z-score (EMA)"),
              ("kept", "mean kept fraction"), ("skipped", "skipped steps"), ("alarm", "collapse alarm"), ("sec", "wall-clock")]
     for key, title in names:
