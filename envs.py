@@ -155,7 +155,7 @@ class FrozenLake(Env):
         self.rng = random.Random(seed)  # also draws the slips, so an episode is reproducible
         self.solvable = self.rng.random() >= self.unsolvable_frac
         cells = [(r, c) for r in range(self.size) for c in range(self.size)]
-        while True:  # draw maps until one fits
+        for _ in range(100_000):  # draw maps until one fits
             start, goal = self.rng.sample(cells, 2)
             holes = {p for p in cells if p not in (start, goal) and self.rng.random() < self.p_hole}
             if not self.solvable:  # wall the goal off: every neighbour becomes a hole
@@ -167,6 +167,8 @@ class FrozenLake(Env):
             free = start not in holes and len(self._distances_to(start, holes)) > 1  # P can move somewhere
             if not self.solvable and free and far <= max(2, self.max_turns):
                 break
+        else:
+            raise ValueError(f"no map fits size={self.size} p_hole={self.p_hole} max_turns={self.max_turns}")
         self.pos, self.goal, self.holes, self.dist = start, goal, holes, dist
         self.done = self.success = False
         return self.render()
@@ -296,7 +298,7 @@ class Sokoban(Env):
     def reset(self, seed):
         rng = random.Random(seed)
         interior = [(r, c) for r in range(1, self.size - 1) for c in range(1, self.size - 1)]
-        while True:
+        for _ in range(100_000):
             walls = set(rng.sample(interior, rng.randint(0, self.inner_walls)))
             self.floor = {p for p in interior if p not in walls}
             self.target = rng.choice(sorted(self.floor))
@@ -311,6 +313,8 @@ class Sokoban(Env):
             plan = self._solve(player, box) if box != self.target else None
             if plan is not None and len(plan) <= self.max_turns:
                 break
+        else:
+            raise ValueError(f"no puzzle fits size={self.size} max_turns={self.max_turns}")
         self.player, self.box, self.policy = player, box, dict(plan)
         self.done = self.success = False
         return self.render()

@@ -101,12 +101,19 @@ def parse_args(argv=None) -> Config:
         assert isinstance(json.loads(cfg.env_args), dict)
     except (ValueError, AssertionError):
         p.error(f"--env-args must be a JSON object, got {cfg.env_args!r}")
-    try:
-        make_env(cfg).reset(0)
-    except (TypeError, ValueError) as e:
+    try:  # a reset and one expert step: values of the wrong kind fail here, not minutes into a run
+        env = make_env(cfg)
+        if env.max_turns < 1:
+            raise ValueError("max_turns must be >= 1")
+        env.reset(0)
+        env.step(env.expert()[1])
+    except (TypeError, ValueError, IndexError) as e:
         p.error(f"--env-args {cfg.env_args} do not fit env {cfg.env!r}: {e}")
-    if min(cfg.groups, cfg.group_size, cfg.steps + 1, cfg.max_new_tokens + 1, cfg.micro_batch) < 1:
-        p.error("--groups, --group-size and --micro-batch must be >= 1, --steps and --max-new-tokens >= 0")
+    ones = ("groups", "group_size", "micro_batch", "ppo_epochs", "max_actions", "diag_every", "eval_every", "eval_episodes", "save_every")
+    zeros = ("steps", "max_turns", "max_new_tokens", "gradnorm_every", "warmup_steps", "lr", "temperature", "eval_temperature")
+    bad = [f"--{f.replace('_', '-')} must be >= {n}" for fs, n in ((ones, 1), (zeros, 0)) for f in fs if getattr(cfg, f) < n]
+    if bad:
+        p.error(", ".join(bad))
     return cfg
 
 
@@ -161,9 +168,7 @@ class Chat:
 def pick_device(name):
     if name != "auto":
         return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
+    return torch.device("cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu")
 
 
 def load_policy(cfg, device):
@@ -360,23 +365,6 @@ def diagnostics(model, tok, eps, G, ema):
             "mi_zscore": mi["mi_zscore"], "mi_zscore_ema": ema.update(mi["matched"], mi["marginal"])}
 
 
-def grad_norms_by_bucket(model, ref, seqs, returns, cfg, n_buckets=3):
-    """The paper's SNR mechanism, measured: bucket groups by reward variance and take the norm of the task,
-    entropy-bonus and KL gradients separately (separate backward passes, no optimizer step)."""
-    P, G = returns.shape
-    out, params = {}, [p for p in model.parameters() if p.requires_grad]
-    adv = advantages(returns, cfg.adv).flatten()
-    for b, groups in enumerate(metrics.variance_buckets(returns.var(1).tolist(), n_buckets)):
-        idx = [g * G + i for g in groups for i in range(G)]
-        batch = pad_right([seqs[i][:2] for i in idx], 0, model.device, [seqs[i][2] for i in idx])
-        t = loss_terms(model, ref, batch, adv[idx].to(model.device), cfg)
-        for name, term in (("task", t["pg"]), ("entropy", cfg.entropy_coeff * t["entropy"]), ("kl", cfg.kl_coef * t["kl"])):
-            grads = torch.autograd.grad(term, params, retain_graph=True, allow_unused=True) if term.requires_grad else []
-            out[f"gn_{name}_b{b}"] = math.sqrt(sum(float(g.pow(2).sum()) for g in grads if g is not None))
-        out[f"rv_b{b}"] = float(returns[groups].var(1).mean())
-    return out
-
-
 def evaluate(model, tok, cfg, n=None):
     """Success rate on held-out seeds (>= 1e6, never used for training) at the evaluation temperature."""
     n = n or cfg.eval_episodes
@@ -414,8 +402,8 @@ def train(cfg, quiet=False):
         start, state = c["step"], c["state"]
         if ref is not None:
             ref.load_state_dict(c["ref"])
-        with open(log_path) as f:  # drop log lines written after the checkpoint
-            lines = [l for l in f if json.loads(l)["step"] < start]
+        with open(log_path) if os.path.exists(log_path) else open(os.devnull) as f:  # keep lines before the checkpoint
+            lines = [l for l in f if l.endswith("\n") and json.loads(l)["step"] < start]  # (and none cut mid-write)
         with open(log_path, "w") as f:
             f.writelines(lines)
         print(f"resuming {out} from step {start}")
@@ -456,8 +444,9 @@ def train(cfg, quiet=False):
                 state["alarm"] = True
                 log["alarm"] = 1
         model.train()
-        if cfg.gradnorm_every and step % cfg.gradnorm_every == 0:
-            log |= grad_norms_by_bucket(model, ref, seqs, R, cfg)
+        if cfg.gradnorm_every and step % cfg.gradnorm_every == 0:  # the demo's mechanism probe (demo.py)
+            import demo
+            log |= demo.grad_norms_by_bucket(model, ref, seqs, R, cfg)
         # 4. SNR-aware filter: keep whole groups with the largest reward spread
         kept = filter_groups(R, cfg.filter, cfg.filter_p, cfg.filter_k, cfg.filter_score, cfg.include_zero)
         log |= {"kept_frac": len(kept) / P, "rv_after": R[kept].std(1).mean().item() if kept else 0.0}

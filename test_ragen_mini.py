@@ -822,6 +822,8 @@ def test_cli_end_to_end_and_resume(tmp_path):
     for key in ["success", "reward", "kept_frac", "rv_before", "rv_after", "token_entropy", "mi", "retrieval", "sec", "gn_task_b0"]:
         assert key in rows[0], key
     assert json.load(open(tmp_path / run / "config.json"))["filter"] == "snr"
+    with open(tmp_path / run / "log.jsonl", "a") as f:
+        f.write('{"step": 2, "succ')  # a line cut by an interrupt mid-write is dropped on resume
     r2 = run_cli(*args[2:], "--steps", "3")  # same command, more steps: resumes from the checkpoint at step 2
     assert r2.returncode == 0, r2.stderr[-2000:]
     assert "resuming" in r2.stdout and "warm start" not in r2.stderr  # the cached warm start is reused
@@ -865,7 +867,9 @@ def test_bench_code_path_prints_its_figures(tmp_path):
     (["--filter", "bogus"], "invalid choice"), (["--env", "chess"], "invalid choice"), (["--no-such-flag"], "unrecognized"),
     (["--env-args", "{oops"], "JSON object"), (["--env-args", '{"holes": 3}'], "do not fit env"),
     (["--env-args", '{"format_penalty": "high"}'], "do not fit env"), (["--groups", "0"], ">= 1"), (["--max-new-tokens", "-1"], ">= 0"),
-    (["--model", "/nonexistent/model", "--steps", "1"], "error:")])
+    (["--model", "/nonexistent/model", "--steps", "1"], "error:"), (["--env-args", '{"slip": "x"}'], "do not fit env"),
+    (["--env-args", '{"max_turns": -1}'], "max_turns must be >= 1"), (["--env", "sokoban", "--env-args", '{"size": 3}'], "do not fit env"),
+    (["--diag-every", "0", "--lr", "-1"], "--diag-every must be >= 1, --lr must be >= 0")])
 def test_bad_input_gets_one_clear_line(args, message, tmp_path):
     r = run_cli(*args, "--out", str(tmp_path), timeout=120)
     assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
