@@ -114,6 +114,8 @@ def parse_args(argv=None) -> Config:
     bad = [f"--{f.replace('_', '-')} must be >= {n}" for fs, n in ((ones, 1), (zeros, 0)) for f in fs if getattr(cfg, f) < n]
     if bad:
         p.error(", ".join(bad))
+    if cfg.device == "cuda" and not torch.cuda.is_available() or cfg.device == "mps" and not torch.backends.mps.is_available():
+        p.error(f"--device {cfg.device} is not available on this machine (try --device auto)")
     return cfg
 
 
