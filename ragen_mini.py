@@ -443,7 +443,7 @@ def train(cfg, quiet=False):
             log |= diagnostics(model, tok, eps, G, ema)
             state["mi0"] = state["mi0"] if state["mi0"] is not None else log["mi"]
             state["ent0"] = state["ent0"] if state["ent0"] is not None else log["token_entropy"]
-            if log["mi"] < 0.5 * state["mi0"] and log["token_entropy"] >= 0.8 * state["ent0"]:
+            if log["mi"] < 0.5 * state["mi0"] and state["mi0"] > 0 and log["token_entropy"] >= 0.8 * state["ent0"]:
                 if not state["alarm"]:
                     tqdm.write(f"COLLAPSE ALARM step {step}: MI {log['mi']:.3f} < 50% of its start {state['mi0']:.3f} "
                                f"while token entropy holds ({log['token_entropy']:.3f} vs {state['ent0']:.3f})")
@@ -501,7 +501,8 @@ def main(argv=None):
             return bench.main(cfg)
         train(cfg)
     except KeyboardInterrupt:
-        sys.exit(f"\ninterrupted: rerun the same command to resume from the last checkpoint in {run_dir(cfg)}")
+        where = os.path.join(cfg.out, f"demo-s{cfg.seed}") if cfg.demo else run_dir(cfg)
+        sys.exit(f"\ninterrupted: rerun the same command to resume from the last checkpoints in {where}")
     except OSError as e:  # unknown model path / hub id with no network, unreadable run folder
         sys.exit(f"error: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else e!r}")
 
