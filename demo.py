@@ -92,7 +92,7 @@ def bucket_norms(rows):
             for name in ["task", "entropy", "kl"]}, len(rows)
 
 
-def plot(runs, path):
+def plot(runs, path, eval_start=None):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -106,6 +106,7 @@ def plot(runs, path):
     for ax, (k, title) in zip(axes.flat, keys):
         for label, rows in runs.items():
             pts = [(r["step"], r[k]) for r in rows if k in r]
+            pts = ([(0, eval_start)] if k == "eval_success" and eval_start is not None else []) + pts  # the warm start's
             ax.plot(*zip(*pts), label=label, marker="." if k == "eval_success" else None)
         if k == "retrieval":
             ax.axhline(runs[next(iter(runs))][0]["retrieval_chance"], color="grey", ls=":", label="chance")
@@ -142,21 +143,23 @@ def wait_for(results, cfgs, every=30):
 
 def run_all(a, b, c, parallel):
     """(a), (b), then (c), which reads (b)'s kept fractions. On a CPU (parallel) (a) and (b) run side by side and
-    (c) starts when (b) ends, each process on half the threads: at these sizes one thread does about 90% of the
-    work of two, so this nearly halves the demo's wall-clock (README "The demo"). -> their summaries."""
+    (c) starts when (b) ends, each process on half the threads: on the README's 2-core CPU the whole demo took
+    19.3 min this way, 20.7 min with the runs one after another (README "The demo"). -> their summaries."""
     if not parallel:
         return [rm.train(x)[0] for x in (a, b, c)]
     threads = max(1, torch.get_num_threads() // 2)
     print(f"(a) and (b) side by side, then (c) once (b) is done, {threads} thread(s) each; progress every 30 s:")
-    pool = multiprocessing.get_context("spawn").Pool(2)
+    pool, done = multiprocessing.get_context("spawn").Pool(2), False
     try:
         ra, rb = (pool.apply_async(train_arm, (x, threads)) for x in (a, b))
         wait_for([rb], [a, b])
         rc = pool.apply_async(train_arm, (c, threads))
         wait_for([ra, rc], [a, b, c])
-        return [r.get() for r in (ra, rb, rc)]
-    finally:  # also on ^C or an error: stop the workers (their last checkpoints stay)
-        pool.terminate(); pool.join()
+        out, done = [r.get() for r in (ra, rb, rc)], True
+        return out
+    finally:  # on ^C or an error, stop the workers at once (their last checkpoints stay); else let them exit
+        pool.close() if done else pool.terminate()
+        pool.join()
 
 
 def main(cfg):
@@ -213,6 +216,6 @@ def main(cfg):
     report = "\n".join(table + lines) + "\n\n" + "\n".join(text)
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(report + "\n")
-    png = plot(runs, os.path.join(out, "demo.png"))
+    png = plot(runs, os.path.join(out, "demo.png"), eval_start)
     print("\n" + report)
     print(f"\ndemo finished in {time.time() - t0:.0f}s; written to {out}/" + (" (table.md, demo.png)" if png else " (table.md)"))

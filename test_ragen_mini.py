@@ -830,11 +830,13 @@ def test_cli_end_to_end_and_resume(tmp_path):
     assert [r["step"] for r in map(json.loads, open(tmp_path / run / "log.jsonl"))] == [0, 1, 2]
 
 
-def test_demo_code_path_runs_shortened(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("threads", [2, 1])  # 2: (a) and (b) in worker processes, as on this CPU; 1: in turn, in-process
+def test_demo_code_path_runs_shortened(tmp_path, monkeypatch, capsys, threads):
     """The demo's code path stays alive: three runs of 3 steps on a small batch, then the table, the sample
     reasonings, the follow-the-reasoning measure and the figure (or the message that matplotlib is missing).
     It asserts that the outputs are produced, not the scientific outcome."""
     import demo
+    monkeypatch.setattr(demo.torch, "get_num_threads", lambda: threads)
     monkeypatch.setattr(demo, "SETUP", {**demo.SETUP, "steps": 3, "groups": 4, "group_size": 4, "eval_episodes": 8,
                                         "eval_every": 2, "gradnorm_every": 1, "diag_every": 1})
     demo.main(rm.parse_args(["--demo", "--warmup-steps", "20", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "c")]))
