@@ -502,7 +502,7 @@ def main(argv=None):
         train(cfg)
     except KeyboardInterrupt:
         where = os.path.join(cfg.out, f"demo-s{cfg.seed}") if cfg.demo else run_dir(cfg)
-        sys.exit(f"\ninterrupted: rerun the same command to resume from the last checkpoints in {where}")
+        sys.exit(f"\ninterrupted: rerun the same command to resume from the last checkpoint{'s' * cfg.demo} in {where}")
     except OSError as e:  # unknown model path / hub id with no network, unreadable run folder
         sys.exit(f"error: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else e!r}")
 
