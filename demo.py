@@ -149,6 +149,8 @@ def run_all(a, b, c, parallel):
         return [rm.train(x)[0] for x in (a, b, c)]
     threads = max(1, torch.get_num_threads() // 2)
     print(f"(a) and (b) side by side, then (c) once (b) is done, {threads} thread(s) each; progress every 30 s:")
+    # workers stopped by ^C leave their semaphores to Python's resource tracker, which would warn about each one
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning:multiprocessing.resource_tracker")
     pool, done = multiprocessing.get_context("spawn").Pool(2), False
     try:
         ra, rb = (pool.apply_async(train_arm, (x, threads)) for x in (a, b))
