@@ -9,7 +9,7 @@ map has exactly zero reward variance; a strong entropy bonus and a small KL to t
 whose push is the same for every input.
 Writes DEMO_DIR/{table.md, samples.txt, demo.png} and the three runs' JSONL logs.
 """
-import copy, dataclasses, json, math, multiprocessing, os, signal, time
+import copy, dataclasses, json, multiprocessing, os, signal, time
 
 import torch
 
@@ -18,23 +18,6 @@ import ragen_mini as rm
 SETUP = dict(env="frozenlake-mixed", env_args='{"format_penalty": 0}', max_turns=0, max_actions=1, groups=8,
              group_size=8, max_new_tokens=0, steps=150, lr=3e-4, entropy_coeff=0.035, kl_coef=0.015, diag_every=5,
              gradnorm_every=25, eval_every=25, eval_episodes=128)
-
-
-def grad_norms_by_bucket(model, ref, seqs, returns, cfg, n_buckets=3):
-    """The paper's SNR mechanism, measured: bucket groups by reward variance and take the norm of the task,
-    entropy-bonus and KL gradients separately (separate backward passes, no optimizer step)."""
-    P, G = returns.shape
-    out, params = {}, [p for p in model.parameters() if p.requires_grad]
-    adv = rm.advantages(returns, cfg.adv).flatten()
-    for b, groups in enumerate(rm.metrics.variance_buckets(returns.var(1).tolist(), n_buckets)):
-        idx = [g * G + i for g in groups for i in range(G)]
-        batch = rm.pad_right([seqs[i][:2] for i in idx], 0, model.device, [seqs[i][2] for i in idx])
-        t = rm.loss_terms(model, ref, batch, adv[idx].to(model.device), cfg)
-        for name, term in (("task", t["pg"]), ("entropy", cfg.entropy_coeff * t["entropy"]), ("kl", cfg.kl_coef * t["kl"])):
-            grads = torch.autograd.grad(term, params, retain_graph=True, allow_unused=True) if term.requires_grad else []
-            out[f"gn_{name}_b{b}"] = math.sqrt(sum(float(g.pow(2).sum()) for g in grads if g is not None))
-        out[f"rv_b{b}"] = float(returns[groups].var(1).mean())
-    return out
 
 
 def rows_of(out):

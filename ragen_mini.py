@@ -371,6 +371,23 @@ def diagnostics(model, tok, eps, G, ema):
             "mi_zscore": mi["mi_zscore"], "mi_zscore_ema": ema.update(mi["matched"], mi["marginal"])}
 
 
+def grad_norms_by_bucket(model, ref, seqs, returns, cfg, n_buckets=3):
+    """The paper's SNR mechanism, measured: bucket groups by reward variance and take the norm of the task,
+    entropy-bonus and KL gradients separately (separate backward passes, no optimizer step)."""
+    P, G = returns.shape
+    out, params = {}, [p for p in model.parameters() if p.requires_grad]
+    adv = advantages(returns, cfg.adv).flatten()
+    for b, groups in enumerate(metrics.variance_buckets(returns.var(1).tolist(), n_buckets)):
+        idx = [g * G + i for g in groups for i in range(G)]
+        batch = pad_right([seqs[i][:2] for i in idx], 0, model.device, [seqs[i][2] for i in idx])
+        t = loss_terms(model, ref, batch, adv[idx].to(model.device), cfg)
+        for name, term in (("task", t["pg"]), ("entropy", cfg.entropy_coeff * t["entropy"]), ("kl", cfg.kl_coef * t["kl"])):
+            grads = torch.autograd.grad(term, params, retain_graph=True, allow_unused=True) if term.requires_grad else []
+            out[f"gn_{name}_b{b}"] = math.sqrt(sum(float(g.pow(2).sum()) for g in grads if g is not None))
+        out[f"rv_b{b}"] = float(returns[groups].var(1).mean())
+    return out
+
+
 def evaluate(model, tok, cfg, n=None):
     """Success rate on held-out seeds (>= 1e6, never used for training) at the evaluation temperature."""
     n = n or cfg.eval_episodes
@@ -450,9 +467,8 @@ def train(cfg, quiet=False):
                 state["alarm"] = True
                 log["alarm"] = 1
         model.train()
-        if cfg.gradnorm_every and step % cfg.gradnorm_every == 0:  # the demo's mechanism probe (demo.py)
-            import demo
-            log |= demo.grad_norms_by_bucket(model, ref, seqs, R, cfg)
+        if cfg.gradnorm_every and step % cfg.gradnorm_every == 0:
+            log |= grad_norms_by_bucket(model, ref, seqs, R, cfg)
         # 4. SNR-aware filter: keep whole groups with the largest reward spread
         kept = filter_groups(R, cfg.filter, cfg.filter_p, cfg.filter_k, cfg.filter_score, cfg.include_zero)
         log |= {"kept_frac": len(kept) / P, "rv_after": R[kept].std(1).mean().item() if kept else 0.0}
