@@ -9,7 +9,7 @@ map has exactly zero reward variance; a strong entropy bonus and a small KL to t
 whose push is the same for every input.
 Writes DEMO_DIR/{table.md, samples.txt, demo.png} and the three runs' JSONL logs.
 """
-import copy, dataclasses, json, multiprocessing, os, signal, time
+import copy, dataclasses, multiprocessing, os, signal, time
 
 import torch
 
@@ -20,9 +20,12 @@ SETUP = dict(env="frozenlake-mixed", env_args='{"format_penalty": 0}', max_turns
              gradnorm_every=25, eval_every=25, eval_episodes=128)
 
 
+def demo_dir(cfg):
+    return os.path.join(cfg.out, f"demo-s{cfg.seed}")
+
+
 def rows_of(out):
-    with open(os.path.join(out, "log.jsonl")) as f:
-        return [json.loads(l) for l in f]
+    return rm.read_log(os.path.join(out, "log.jsonl"))
 
 
 def last(rows, key):
@@ -118,8 +121,7 @@ def wait_for(results, cfgs, every=30):
         next(r for r in results if not r.ready()).wait(every)
         parts = []
         for c in cfgs:
-            path = os.path.join(c.out, c.name, "log.jsonl")  # complete lines only: a run may be writing its next one
-            rows = [json.loads(l) for l in open(path) if l.endswith("\n")] if os.path.exists(path) else []
+            rows = rows_of(rm.run_dir(c))  # complete lines only: the run may be writing its next one
             parts.append(f"{c.name} step {len(rows)}/{c.steps}" + (f" success {rows[-1]['success']:.2f} MI {last(rows, 'mi'):.2f}" if rows else ""))
         print(" | ".join(parts), flush=True)
 
@@ -148,7 +150,7 @@ def run_all(a, b, c, parallel):
 
 
 def main(cfg):
-    out = os.path.join(cfg.out, f"demo-s{cfg.seed}")
+    out = demo_dir(cfg)
     base = dataclasses.replace(cfg, **SETUP, demo=False, out=out)
     t0 = time.time()
     a = dataclasses.replace(base, filter="none", name="a_no_filter")

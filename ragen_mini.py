@@ -403,6 +403,14 @@ def run_dir(cfg):
     return os.path.join(cfg.out, cfg.name or f"{cfg.env}-{cfg.filter}-s{cfg.seed}-{tag}")
 
 
+def read_log(path):
+    """The rows of a run's JSONL log ([] if there is none yet); a last line cut mid-write by an interrupt is left out."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(l) for l in f if l.endswith("\n")]
+
+
 def save_ckpt(path, **state):
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)  # atomic: an interrupted save never corrupts the last checkpoint
@@ -425,10 +433,9 @@ def train(cfg, quiet=False):
         start, state = c["step"], c["state"]
         if ref is not None:
             ref.load_state_dict(c["ref"])
-        with open(log_path) if os.path.exists(log_path) else open(os.devnull) as f:  # keep lines before the checkpoint
-            lines = [l for l in f if l.endswith("\n") and json.loads(l)["step"] < start]  # (and none cut mid-write)
+        rows = [r for r in read_log(log_path) if r["step"] < start]  # drop lines written after the checkpoint
         with open(log_path, "w") as f:
-            f.writelines(lines)
+            f.writelines(json.dumps(r) + "\n" for r in rows)
         print(f"resuming {out} from step {start}")
     elif os.path.exists(log_path):
         os.remove(log_path)
@@ -496,7 +503,7 @@ def train(cfg, quiet=False):
         if (step + 1) % cfg.save_every == 0 or step == cfg.steps - 1:
             save_ckpt(ckpt, model=model.state_dict(), opt=opt.state_dict(), ema=ema.state_dict(), step=step + 1,
                       state=state, ref=ref.state_dict() if ref is not None else None)
-    rows = [json.loads(l) for l in open(log_path)] if os.path.exists(log_path) else []
+    rows = read_log(log_path)
     final = next((r["eval_success"] for r in reversed(rows) if "eval_success" in r), state["eval0"])
     summary = dict(out=out, eval_start=state["eval0"], eval_final=final, alarm=state["alarm"], steps=len(rows),
                    skipped=sum(r.get("skipped", 0) for r in rows), sec=sum(r["sec"] for r in rows))
@@ -517,7 +524,9 @@ def main(argv=None):
             return bench.main(cfg)
         train(cfg)
     except KeyboardInterrupt:
-        where = os.path.join(cfg.out, f"demo-s{cfg.seed}") if cfg.demo else run_dir(cfg)
+        if cfg.demo:
+            import demo
+        where = demo.demo_dir(cfg) if cfg.demo else run_dir(cfg)
         sys.exit(f"\ninterrupted: rerun the same command to resume from the last checkpoint{'s' * cfg.demo} in {where}")
     except OSError as e:  # unknown model path / hub id with no network, unreadable run folder
         sys.exit(f"error: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else e!r}")
