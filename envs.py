@@ -133,6 +133,8 @@ class FrozenLake(Env):
     is a valid no-op. With `slip` > 0 a move goes sideways with that probability (seeded, so reproducible).
     Maps are always solvable within `max_turns` moves, except that a fraction `unsolvable_frac` of seeds
     get a goal walled off by holes (every rollout fails: zero reward variance, for the collapse demo).
+    With `generic_think` > 0 the expert states that share of its steps with an input-free phrase instead of the
+    facts (GENERIC_THINKS; the move stays right): a fluent template in the warm start (the demo's stretch goal).
 
         observation:  . O . .          reply:  <think> P 3 1 G 1 3 : goal up right ; hole up left </think>
                       . O . G                  <answer> right </answer>
@@ -147,12 +149,15 @@ class FrozenLake(Env):
     instruction = ("You are P on a frozen lake: reach the goal G without stepping into a hole O (. is safe ice, "
                    "moving off the map does nothing). Answer with one move: up, down, left or right.")
 
-    def __init__(self, size=4, p_hole=0.25, slip=0.0, max_turns=5, unsolvable_frac=0.0):
+    def __init__(self, size=4, p_hole=0.25, slip=0.0, max_turns=5, unsolvable_frac=0.0, generic_think=0.0):
         self.size, self.p_hole, self.slip = size, p_hole, slip
-        self.max_turns, self.unsolvable_frac = max_turns, unsolvable_frac
+        self.max_turns, self.unsolvable_frac, self.generic_think = max_turns, unsolvable_frac, generic_think
+        if not 0 <= generic_think <= 1:
+            raise ValueError(f"generic_think is a probability, got {generic_think}")
 
     def reset(self, seed):
         self.rng = random.Random(seed)  # also draws the slips, so an episode is reproducible
+        self.expert_rng = random.Random(-1 - seed)  # the expert's own draws leave the map and slips untouched
         self.solvable = self.rng.random() >= self.unsolvable_frac
         cells = [(r, c) for r in range(self.size) for c in range(self.size)]
         for _ in range(100_000):  # draw maps until one fits
@@ -214,7 +219,13 @@ class FrozenLake(Env):
         safe = [m for m in MOVES if self._moved(self.pos, m) not in self.holes] or list(MOVES)
         holes = [m for m in MOVES if _add(self.pos, m) in self.holes]
         think = f"P {self.pos[0]} {self.pos[1]} G {self.goal[0]} {self.goal[1]} : goal {_direction(self.pos, self.goal)} ; hole {' '.join(holes) or 'none'}"
+        if self.generic_think and self.expert_rng.random() < self.generic_think:
+            think = self.expert_rng.choice(GENERIC_THINKS)
         return think, min(safe, key=cost)
+
+
+GENERIC_THINKS = ["stay on the safe ice and walk to the goal", "avoid the holes and move toward the goal",
+                  "look at the map and take a safe step to the goal"]
 
 
 def frozenlake_mixed(**kwargs):

@@ -213,6 +213,21 @@ def test_frozenlake_mixed_has_both_kinds():
         assert lake_has_path(env.render()) == env.solvable
 
 
+def test_frozenlake_generic_think_changes_only_the_reasoning():
+    """generic_think swaps the expert's stated facts for an input-free phrase at that rate; maps and moves stay."""
+    plain, generic = make_env("frozenlake"), make_env("frozenlake", generic_think=0.5)
+    phrases = 0
+    for seed in range(100):
+        assert plain.reset(seed) == generic.reset(seed)
+        (think, move), (g_think, g_move) = plain.expert(), generic.expert()
+        assert move == g_move and think.startswith("P ")
+        assert g_think == think or g_think in envs.GENERIC_THINKS
+        phrases += g_think in envs.GENERIC_THINKS
+    assert 30 < phrases < 70
+    with pytest.raises(ValueError):
+        make_env("frozenlake", generic_think=1.5)
+
+
 def test_sokoban_levels_are_solvable_within_the_budget():
     for size in (5, 6):
         env = make_env("sokoban", size=size)
