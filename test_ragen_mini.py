@@ -884,7 +884,7 @@ def test_bench_code_path_prints_its_figures(tmp_path):
     (["--filter", "bogus"], "invalid choice"), (["--env", "chess"], "invalid choice"), (["--no-such-flag"], "unrecognized"),
     (["--env-args", "{oops"], "JSON object"), (["--env-args", '{"holes": 3}'], "do not fit env"),
     (["--env-args", '{"format_penalty": "high"}'], "do not fit env"), (["--groups", "0"], ">= 1"), (["--max-new-tokens", "-1"], ">= 0"),
-    (["--model", "/nonexistent/model", "--steps", "1"], "error:"), (["--env-args", '{"slip": "x"}'], "do not fit env"),
+    (["--model", "/nonexistent/model", "--steps", "1"], "no such folder"), (["--env-args", '{"slip": "x"}'], "do not fit env"),
     (["--env-args", '{"max_turns": -1}'], "max_turns must be >= 1"), (["--env", "sokoban", "--env-args", '{"size": 3}'], "do not fit env"),
     (["--diag-every", "0", "--lr", "-1"], "--diag-every must be >= 1, --lr must be >= 0")]
     + ([(["--device", "cuda"], "not available")] if not torch.cuda.is_available() else []))
