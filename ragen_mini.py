@@ -524,7 +524,16 @@ def main(argv=None):
         if cfg.bench:
             import bench
             return bench.main(cfg)
-        train(cfg)
+        os.makedirs(run_dir(cfg), exist_ok=True)
+        with open(os.path.join(run_dir(cfg), "lock"), "w") as lock:  # one process per run folder: two would
+            try:                                                       # interleave one log and one checkpoint
+                import fcntl  # POSIX only; elsewhere there is no lock
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when this process ends, however it ends
+            except ImportError:
+                pass
+            except OSError:
+                sys.exit(f"error: {run_dir(cfg)} is in use by another run of the same command (or pass --name)")
+            train(cfg)
     except KeyboardInterrupt:
         if cfg.demo:
             import demo

@@ -893,6 +893,20 @@ def test_bad_input_gets_one_clear_line(args, message, tmp_path):
     assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="the run-folder lock uses POSIX flock")
+def test_a_second_copy_of_a_running_command_is_refused(tmp_path):
+    """Two processes on one run folder would interleave its log and checkpoint: the second is told so and stops."""
+    import fcntl
+    args = SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache")]
+    folder = rm.run_dir(rm.parse_args(args))
+    os.makedirs(folder)
+    with open(os.path.join(folder, "lock"), "w") as lock:  # stands in for the first, still running copy
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        r = run_cli(*args, timeout=120)
+    assert r.returncode != 0 and "in use by another run" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not os.path.exists(os.path.join(folder, "log.jsonl"))  # it left the folder alone
+
+
 def test_empty_filter_and_nan_loss_skip_the_update(tmp_path, monkeypatch):
     """A batch where nothing is kept, and a non-finite loss, are logged as skipped and leave the weights alone."""
     cfg = rm.parse_args(SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--filter", "snr", "--steps", "2"])
