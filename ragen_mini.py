@@ -422,6 +422,14 @@ def train(cfg, quiet=False):
     """Run GRPO (+ optional SNR filter) for cfg.steps; resumes from OUT/<name>/ckpt.pt. -> summary dict."""
     device, out = pick_device(cfg.device), run_dir(cfg)
     os.makedirs(out, exist_ok=True)
+    lock = open(os.path.join(out, "lock"), "w")  # one process per run folder: two would interleave one log
+    try:
+        import fcntl  # POSIX only; elsewhere there is no lock
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the file closes, or the process ends
+    except ImportError:
+        pass
+    except OSError:  # main() prints it as one line; a demo worker hands it to its parent
+        raise OSError(f"{out} is in use by another run of the same command (or pass --name)") from None
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(asdict(cfg), f, indent=1)
     model, tok = load_policy(cfg, device)
@@ -512,6 +520,7 @@ def train(cfg, quiet=False):
     if not quiet:
         print(f"done: eval success {summary['eval_start']:.3f} (warm start) -> {final:.3f} after {cfg.steps} steps; "
               f"{summary['skipped']} skipped updates; {summary['sec']:.0f}s; logs in {out}/log.jsonl")
+    lock.close()
     return summary, model, tok
 
 
@@ -524,16 +533,7 @@ def main(argv=None):
         if cfg.bench:
             import bench
             return bench.main(cfg)
-        os.makedirs(run_dir(cfg), exist_ok=True)
-        with open(os.path.join(run_dir(cfg), "lock"), "w") as lock:  # one process per run folder: two would
-            try:                                                       # interleave one log and one checkpoint
-                import fcntl  # POSIX only; elsewhere there is no lock
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when this process ends, however it ends
-            except ImportError:
-                pass
-            except OSError:
-                sys.exit(f"error: {run_dir(cfg)} is in use by another run of the same command (or pass --name)")
-            train(cfg)
+        train(cfg)
     except KeyboardInterrupt:
         if cfg.demo:
             import demo
