@@ -540,7 +540,7 @@ def main(argv=None):
         where = demo.demo_dir(cfg) if cfg.demo else run_dir(cfg)
         sys.exit(f"\ninterrupted: rerun the same command to resume from the last checkpoint{'s' * cfg.demo} in {where}")
     except OSError as e:  # unknown model path / hub id with no network, unreadable run folder
-        sys.exit(f"error: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else e!r}")
+        sys.exit(f"error: {e.__class__.__name__}: {(str(e).splitlines() or [repr(e)])[0]}")
 
 
 if __name__ == "__main__":
