@@ -931,8 +931,8 @@ def test_model_without_a_chat_template_gets_one_clear_line(tmp_path):
     assert r.returncode != 0 and "chat template" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-def test_model_folder_under_home_loads_with_a_tilde(tmp_path, monkeypatch):
-    model, tok = rm.load_policy(rm.parse_args(["--warmup-steps", "0", "--tiny-dim", "32", "--cache-dir", str(tmp_path)]), torch.device("cpu"))
+def test_model_folder_under_home_loads_with_a_tilde(tiny, tmp_path, monkeypatch):
+    _, model, tok = tiny
     model.save_pretrained(tmp_path / "home" / "m"); tok.save_pretrained(tmp_path / "home" / "m")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # ~ is expanded once, before the existence check and the load
     loaded, _ = rm.load_policy(rm.parse_args(["--model", "~/m"]), torch.device("cpu"))
