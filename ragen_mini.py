@@ -400,9 +400,13 @@ def evaluate(model, tok, cfg, n=None):
 
 
 # ----------------------------------------------------------------------------- the loop
+def run_key(cfg):
+    """The settings that make a run what it is: its folder's name hashes them, and a resume must match them."""
+    return {k: v for k, v in asdict(cfg).items() if k not in ("demo", "bench", "device", "out", "name", "steps")}
+
+
 def run_dir(cfg):
-    keep = {k: v for k, v in asdict(cfg).items() if k not in ("demo", "bench", "device", "out", "name", "steps")}
-    tag = hashlib.sha1(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:6]
+    tag = hashlib.sha1(json.dumps(run_key(cfg), sort_keys=True).encode()).hexdigest()[:6]
     return os.path.join(cfg.out, cfg.name or f"{cfg.env}-{cfg.filter}-s{cfg.seed}-{tag}")
 
 
@@ -431,12 +435,20 @@ def train(cfg, quiet=False):
         pass
     except OSError:  # main() prints it as one line; a demo worker hands it to its parent
         raise OSError(f"{out} is in use by another run of the same command (or pass --name)") from None
-    with open(os.path.join(out, "config.json"), "w") as f:
+    cfg_path, ckpt = os.path.join(out, "config.json"), os.path.join(out, "ckpt.pt")
+    if os.path.exists(ckpt) and os.path.exists(cfg_path):  # resume only the run these settings started (--name, demo)
+        with open(cfg_path) as f:
+            old = json.load(f)
+        changed = sorted(k for k, v in run_key(cfg).items() if old.get(k) != v)
+        if changed:
+            raise FileExistsError(f"{out} holds a run made with other settings ({', '.join(changed)}): "
+                                  "remove that folder to start over, or pass another --name or --out")
+    with open(cfg_path, "w") as f:
         json.dump(asdict(cfg), f, indent=1)
     model, tok = load_policy(cfg, device)
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None  # frozen start model
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    ema, log_path, ckpt = metrics.ZScoreEMA(), os.path.join(out, "log.jsonl"), os.path.join(out, "ckpt.pt")
+    ema, log_path = metrics.ZScoreEMA(), os.path.join(out, "log.jsonl")
     start, state = 0, {"mi0": None, "ent0": None, "alarm": False, "eval0": None}
     if os.path.exists(ckpt):  # resume: weights, optimizer, step, and the running statistics
         c = torch.load(ckpt, map_location=device, weights_only=False)

@@ -843,6 +843,10 @@ def test_cli_end_to_end_and_resume(tmp_path):
     assert r2.returncode == 0, r2.stderr[-2000:]
     assert "resuming" in r2.stdout and "warm start" not in r2.stderr  # the cached warm start is reused
     assert [r["step"] for r in map(json.loads, open(tmp_path / run / "log.jsonl"))] == [0, 1, 2]
+    r3 = run_cli(*args[2:], "--steps", "4", "--lr", "1e-3", "--name", run)  # same folder, other settings: refused
+    assert r3.returncode != 0 and "other settings (lr)" in r3.stderr and "Traceback" not in r3.stderr, r3.stderr[-2000:]
+    assert [r["step"] for r in map(json.loads, open(tmp_path / run / "log.jsonl"))] == [0, 1, 2]  # nothing lost
+    assert json.load(open(tmp_path / run / "config.json"))["lr"] != 1e-3
 
 
 @pytest.mark.parametrize("threads", [2, 1])  # 2: (a) and (b) in worker processes, as on this CPU; 1: in turn, in-process
