@@ -4,7 +4,7 @@ From one warm-started tiny model, three runs that share seeds, steps and every h
   (a) no filter   -> low reward-variance groups let the input-agnostic regularisers dominate: MI falls, entropy holds
   (b) SNR filter  -> only groups with reward spread are trained on: MI and success are kept
   (c) control     -> no filter, regulariser coefficients x the kept fraction (b) had at each step
-Task: frozenlake-mixed (3 turns, 3 maps in 4 unsolvable) without the format penalty, so a group on an unsolvable
+Task: frozenlake-mixed (3 turns, 5 maps in 8 unsolvable) without the format penalty, so a group on an unsolvable
 map has exactly zero reward variance; a strong entropy bonus and a small KL to the start model, the regularisers
 whose push is the same for every input.
 Writes DEMO_DIR/{table.md, samples.txt, demo.png} and the three runs' JSONL logs.
@@ -15,8 +15,8 @@ import torch
 
 import ragen_mini as rm
 
-SETUP = dict(env="frozenlake-mixed", env_args='{"format_penalty": 0}', max_turns=0, max_actions=1, groups=8,
-             group_size=8, max_new_tokens=0, steps=150, lr=3e-4, entropy_coeff=0.035, kl_coef=0.015, diag_every=5,
+SETUP = dict(env="frozenlake-mixed", env_args='{"format_penalty": 0, "unsolvable_frac": 0.625}', max_turns=0, max_actions=1,
+             groups=8, group_size=8, max_new_tokens=0, steps=250, lr=2e-4, entropy_coeff=0.035, kl_coef=0.025, diag_every=5,
              gradnorm_every=25, eval_every=25, eval_episodes=128)
 
 

@@ -229,7 +229,7 @@ GENERIC_THINKS = ["stay on the safe ice and walk to the goal", "avoid the holes 
 
 
 def frozenlake_mixed(**kwargs):
-    """FrozenLake where 3 maps in 4 are unsolvable and there are 3 turns: the collapse demo's task."""
+    """FrozenLake with 3 turns where 3 maps in 4 are unsolvable: the collapse demo's task (the demo sets 5 in 8)."""
     env = FrozenLake(**{"unsolvable_frac": 0.75, "max_turns": 3, **kwargs})
     env.name = "frozenlake-mixed"
     return env
