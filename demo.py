@@ -7,7 +7,7 @@ From one warm-started tiny model, three runs that share seeds, steps and every h
 Task: frozenlake-mixed (3 turns, 5 maps in 8 unsolvable) without the format penalty, so a group on an unsolvable
 map has exactly zero reward variance; a strong entropy bonus and a small KL to the start model, the regularisers
 whose push is the same for every input.
-Writes DEMO_DIR/{table.md, samples.txt, demo.png} and the three runs' JSONL logs.
+Writes DEMO_DIR/{table.md (the table, gradient norms and sample reasonings), demo.png} and the three runs' JSONL logs.
 """
 import copy, dataclasses, multiprocessing, os, signal, time
 
