@@ -168,9 +168,8 @@ class Chat:
 
 # ----------------------------------------------------------------------------- model
 def pick_device(name):
-    if name != "auto":
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu")
+    auto = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    return torch.device(auto if name == "auto" else name)
 
 
 def load_policy(cfg, device):
@@ -289,14 +288,13 @@ def filter_groups(returns, mode="snr", p=0.9, k=0.25, score="std", include_zero=
     snr: sort groups by reward spread, keep the shortest prefix holding p of the total spread (reference code:
     tolerance 0.01; p >= 1 keeps all); topk: keep the top k fraction. Zero-spread groups are dropped unless
     include_zero. An empty list means: skip this update."""
-    P = returns.shape[0]
     s = returns.std(1) if score == "std" else returns.var(1)  # unbiased, over the G samples of a group
     s = torch.nan_to_num(s, 0.0)  # group_size 1 has no spread
     order = torch.argsort(s, descending=True, stable=True).tolist()
     if mode == "none":
-        return list(range(P))
+        return list(range(len(returns)))
     if mode == "topk":
-        order = order[:max(1, round(k * P))]
+        order = order[:max(1, round(k * len(returns)))]
     elif p < 1:
         cum = torch.cumsum(s[order], 0)
         order = order[:int((cum < p * s.sum() - 0.01).sum()) + 1]
@@ -345,14 +343,11 @@ def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
             t = loss_terms(model, ref, batch, adv[i:i + cfg.micro_batch], cfg)
             loss = t["pg"] - reg_scale * cfg.entropy_coeff * t["entropy"] + reg_scale * cfg.kl_coef * t["kl"]
             w = (t["ntok"] / max(total, 1)).item()  # micro-batch share of all agent tokens: keeps it a token mean
-            if not torch.isfinite(loss):
-                opt.zero_grad(set_to_none=True)
-                return dict(stats, loss=float("nan"))
             (loss * w).backward()
             for k in stats:
                 stats[k] += w * (loss if k == "loss" else t[k]).item() / cfg.ppo_epochs
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        if not torch.isfinite(gnorm):
+        if not (torch.isfinite(gnorm) and math.isfinite(stats["loss"])):  # NaN/inf loss or gradient: no step
             opt.zero_grad(set_to_none=True)
             return dict(stats, loss=float("nan"))
         opt.step()
@@ -393,10 +388,9 @@ def grad_norms_by_bucket(model, ref, seqs, returns, cfg, n_buckets=3):
 
 def evaluate(model, tok, cfg, n=None):
     """Success rate on held-out seeds (>= 1e6, never used for training) at the evaluation temperature."""
-    n = n or cfg.eval_episodes
     torch.manual_seed(10**6)  # the same sampling noise at every evaluation: runs compare on equal terms
-    eps = rollout(model, tok, cfg, [10**6 + i for i in range(n)], 1, cfg.eval_temperature)
-    return sum(e["success"] for e in eps) / n
+    eps = rollout(model, tok, cfg, [10**6 + i for i in range(n or cfg.eval_episodes)], 1, cfg.eval_temperature)
+    return sum(e["success"] for e in eps) / len(eps)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -462,10 +456,8 @@ def train(cfg, quiet=False):
         print(f"resuming {out} from step {start}")
     elif os.path.exists(log_path):
         os.remove(log_path)
-    reg_scales = {}
-    if cfg.reg_scale_from:  # control run (demo c): regulariser x the kept fraction another run had at each step
-        with open(cfg.reg_scale_from) as f:
-            reg_scales = {r["step"]: r["kept_frac"] for r in map(json.loads, f)}
+    # control run (demo c): the regularisers x the kept fraction another run had at each step
+    reg_scales = {r["step"]: r["kept_frac"] for r in read_log(cfg.reg_scale_from)} if cfg.reg_scale_from else {}
     if not quiet:
         print("config: " + " ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
     if state["eval0"] is None:
@@ -494,8 +486,7 @@ def train(cfg, quiet=False):
                 if not state["alarm"]:
                     tqdm.write(f"COLLAPSE ALARM step {step}: MI {log['mi']:.3f} < 50% of its start {state['mi0']:.3f} "
                                f"while token entropy holds ({log['token_entropy']:.3f} vs {state['ent0']:.3f})")
-                state["alarm"] = True
-                log["alarm"] = 1
+                state["alarm"] = log["alarm"] = True
         model.train()
         if cfg.gradnorm_every and step % cfg.gradnorm_every == 0:
             log |= grad_norms_by_bucket(model, ref, seqs, R, cfg)
@@ -508,8 +499,7 @@ def train(cfg, quiet=False):
             # 5. advantages on the kept groups only
             adv = advantages(R[kept], cfg.adv).flatten() * (0.0 if cfg.reg_only else 1.0)
             # 6-7. loss and optimizer step
-            stats = update(model, ref, opt, [seqs[g * G + i] for g in kept for i in range(G)], adv.to(device), cfg,
-                           reg_scales.get(step, 1.0) if cfg.reg_scale_from else 1.0)
+            stats = update(model, ref, opt, [seqs[g * G + i] for g in kept for i in range(G)], adv.to(device), cfg, reg_scales.get(step, 1.0))
             log |= stats | ({"skipped": 1} if math.isnan(stats["loss"]) else {})
             if math.isnan(stats["loss"]):
                 tqdm.write(f"step {step}: non-finite loss, update skipped (weights unchanged)")
@@ -540,17 +530,12 @@ def train(cfg, quiet=False):
 def main(argv=None):
     cfg = parse_args(argv)
     try:
-        if cfg.demo:
-            import demo
-            return demo.main(cfg)
-        if cfg.bench:
-            import bench
-            return bench.main(cfg)
+        if cfg.demo or cfg.bench:
+            import bench, demo  # the demo and the benchmark live in their own files
+            return (demo if cfg.demo else bench).main(cfg)
         train(cfg)
     except KeyboardInterrupt:
-        if cfg.demo:
-            import demo
-        where = demo.demo_dir(cfg) if cfg.demo else run_dir(cfg)
+        where = os.path.join(cfg.out, f"demo-s{cfg.seed}") if cfg.demo else run_dir(cfg)  # demo.demo_dir
         sys.exit(f"\ninterrupted: rerun the same command to resume from the last checkpoint{'s' * cfg.demo} in {where}")
     except OSError as e:  # unknown model path / hub id with no network, unreadable run folder
         sys.exit(f"error: {e.__class__.__name__}: {(str(e).splitlines() or [repr(e)])[0]}")
