@@ -396,7 +396,7 @@ def evaluate(model, tok, cfg, n=None):
 # ----------------------------------------------------------------------------- the loop
 def run_key(cfg):
     """The settings that make a run what it is: its folder's name hashes them, and a resume must match them."""
-    return {k: v for k, v in asdict(cfg).items() if k not in ("demo", "bench", "device", "out", "name", "steps")}
+    return {k: v for k, v in asdict(cfg).items() if k not in ("demo", "bench", "device", "out", "name", "steps", "cache_dir")}
 
 
 def run_dir(cfg):

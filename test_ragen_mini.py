@@ -828,6 +828,7 @@ SMALL = ["--steps", "2", "--groups", "4", "--group-size", "4", "--warmup-steps",
 
 def test_cli_end_to_end_and_resume(tmp_path):
     args = SMALL + ["--filter", "snr", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache"), "--gradnorm-every", "1"]
+    assert rm.run_dir(rm.parse_args(args)) == rm.run_dir(rm.parse_args(args + ["--cache-dir", "/elsewhere"]))  # where the warm start is cached does not define the run
     r = run_cli(*args)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "done: eval success" in r.stdout and "kept_frac=" in r.stdout
@@ -858,6 +859,8 @@ def test_demo_code_path_runs_shortened(tmp_path, monkeypatch, capsys, threads):
     monkeypatch.setattr(demo.torch, "get_num_threads", lambda: threads)
     monkeypatch.setattr(demo, "SETUP", {**demo.SETUP, "steps": 3, "groups": 4, "group_size": 4, "eval_episodes": 8,
                                         "eval_every": 2, "gradnorm_every": 1, "diag_every": 1})
+    monkeypatch.setattr(demo, "HELDOUT_MAPS", 8)  # two small held-out batches: the averaging path, at a test's cost
+    monkeypatch.setattr(demo, "HELDOUT_BATCHES", 2)
     demo.main(rm.parse_args(["--demo", "--warmup-steps", "20", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "c")]))
     out = tmp_path / "demo-s0"
     for run in ("a_no_filter", "b_snr_filter", "c_control"):
