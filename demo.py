@@ -132,8 +132,8 @@ def wait_for(results, cfgs, every=30):
 
 def run_all(a, b, c, parallel):
     """(a), (b), then (c), which reads (b)'s kept fractions. On a CPU (parallel) (a) and (b) run side by side and
-    (c) starts when (b) ends, each process on half the threads: on the README's 2-core CPU the whole demo took
-    19.3 min this way, 20.7 min with the runs one after another (README "The demo"). -> their summaries."""
+    (c) starts when (b) ends, each process on half the threads: on a 2-core CPU that saves the overlap, a minute
+    or two against the runs one after another (README "The demo"). -> their summaries."""
     if not parallel:
         return [rm.train(x)[0] for x in (a, b, c)]
     threads = max(1, torch.get_num_threads() // 2)
