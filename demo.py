@@ -45,7 +45,8 @@ HELDOUT_MAPS, HELDOUT_BATCHES = 32, 4  # the fixed held-out batches that score e
 def heldout_mi(model, tok, cfg):
     """The MI proxies on fixed held-out batches, the same maps and sampling noise for every model: each batch is
     HELDOUT_MAPS maps x G samples at the training temperature; -> the mean over HELDOUT_BATCHES disjoint batches,
-    so a final reading is not one noisy 8-map training batch (on the README's runs batches differ by +-3%)."""
+    so a final reading is not one noisy 8-map training batch (on the README's runs the batches of one model
+    span 4-6 points)."""
     out = []
     for k in range(HELDOUT_BATCHES):
         torch.manual_seed(k)

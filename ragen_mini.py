@@ -456,8 +456,10 @@ def train(cfg, quiet=False):
         print(f"resuming {out} from step {start}")
     elif os.path.exists(log_path):
         os.remove(log_path)
-    # control run (demo c): the regularisers x the kept fraction another run had at each step
-    reg_scales = {r["step"]: r["kept_frac"] for r in read_log(cfg.reg_scale_from)} if cfg.reg_scale_from else {}
+    reg_scales = {}
+    if cfg.reg_scale_from:  # control run (demo c): regulariser x the kept fraction another run had at each step
+        with open(cfg.reg_scale_from) as f:  # a missing log is an error, not a silent scale of 1
+            reg_scales = {r["step"]: r["kept_frac"] for r in map(json.loads, f)}
     if not quiet:
         print("config: " + " ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
     if state["eval0"] is None:
@@ -486,7 +488,8 @@ def train(cfg, quiet=False):
                 if not state["alarm"]:
                     tqdm.write(f"COLLAPSE ALARM step {step}: MI {log['mi']:.3f} < 50% of its start {state['mi0']:.3f} "
                                f"while token entropy holds ({log['token_entropy']:.3f} vs {state['ent0']:.3f})")
-                state["alarm"] = log["alarm"] = True
+                state["alarm"] = True
+                log["alarm"] = 1
         model.train()
         if cfg.gradnorm_every and step % cfg.gradnorm_every == 0:
             log |= grad_norms_by_bucket(model, ref, seqs, R, cfg)
@@ -530,12 +533,17 @@ def train(cfg, quiet=False):
 def main(argv=None):
     cfg = parse_args(argv)
     try:
-        if cfg.demo or cfg.bench:
-            import bench, demo  # the demo and the benchmark live in their own files
-            return (demo if cfg.demo else bench).main(cfg)
+        if cfg.demo:
+            import demo
+            return demo.main(cfg)
+        if cfg.bench:
+            import bench
+            return bench.main(cfg)
         train(cfg)
     except KeyboardInterrupt:
-        where = os.path.join(cfg.out, f"demo-s{cfg.seed}") if cfg.demo else run_dir(cfg)  # demo.demo_dir
+        if cfg.demo:
+            import demo
+        where = demo.demo_dir(cfg) if cfg.demo else run_dir(cfg)
         sys.exit(f"\ninterrupted: rerun the same command to resume from the last checkpoint{'s' * cfg.demo} in {where}")
     except OSError as e:  # unknown model path / hub id with no network, unreadable run folder
         sys.exit(f"error: {e.__class__.__name__}: {(str(e).splitlines() or [repr(e)])[0]}")
