@@ -17,7 +17,7 @@ import ragen_mini as rm
 
 SETUP = dict(env="frozenlake-mixed", env_args='{"format_penalty": 0, "unsolvable_frac": 0.625}', max_turns=0, max_actions=1,
              groups=8, group_size=8, max_new_tokens=0, steps=200, lr=1.5e-4, entropy_coeff=0.045, kl_coef=0.025, diag_every=5,
-             gradnorm_every=25, eval_every=25, eval_episodes=128)
+             gradnorm_every=10, eval_every=25, eval_episodes=128)
 
 
 def demo_dir(cfg):
@@ -76,11 +76,14 @@ def follows_reasoning(model, tok, cfg, n=64):
 
 
 def bucket_norms(rows):
-    """Mean task / entropy / KL gradient norm per reward-variance bucket over the logged steps where the buckets
-    differ (top bucket with spread): once every group has zero variance the buckets are an arbitrary split."""
+    """Mean task / entropy / KL gradient norm per reward-variance bucket, and its standard error, over the logged
+    steps where the buckets differ (top bucket with spread): once every group has zero variance the buckets are an
+    arbitrary split. -> ({name: [mean per bucket]}, {name: [s.e. per bucket]}, number of steps)"""
     rows = [r for r in rows if "gn_task_b0" in r and r["rv_b2"] > 0]
-    return {name: [sum(r[f"gn_{name}_b{b}"] for r in rows) / max(len(rows), 1) for b in range(3)]
-            for name in ["task", "entropy", "kl"]}, len(rows)
+    vals = {name: [[r[f"gn_{name}_b{b}"] for r in rows] for b in range(3)] for name in ["task", "entropy", "kl"]}
+    mean = {k: [sum(x) / max(len(x), 1) for x in v] for k, v in vals.items()}
+    se = {k: [(sum((y - m) ** 2 for y in x) / max(len(x) - 1, 1) / max(len(x), 1)) ** 0.5 for x, m in zip(v, mean[k])] for k, v in vals.items()}
+    return mean, se, len(rows)
 
 
 def plot(runs, path, eval_start=None):
@@ -104,9 +107,9 @@ def plot(runs, path, eval_start=None):
         ax.set_title(title); ax.set_xlabel("step")
     axes.flat[0].legend()
     ax = axes.flat[5]  # gradient norms by reward-variance bucket, averaged over the logged steps of run (a)
-    norms, _ = bucket_norms(runs[next(iter(runs))])
-    for i, (name, vals) in enumerate(norms.items()):
-        ax.bar([b + 0.27 * (i - 1) for b in range(3)], vals, width=0.27, label=name)
+    norms, se, _ = bucket_norms(runs[next(iter(runs))])
+    for i, (name, vals) in enumerate(norms.items()):  # error bars: standard error over the logged steps
+        ax.bar([b + 0.27 * (i - 1) for b in range(3)], vals, yerr=se[name], capsize=2, width=0.27, label=name)
     ax.set_xticks(range(3), ["low RV", "mid RV", "high RV"]); ax.set_title("gradient norm by reward-variance bucket (a)")
     ax.legend()
     fig.tight_layout(); fig.savefig(path, dpi=90)
@@ -192,9 +195,10 @@ def main(cfg):
              ("kept", "mean kept fraction"), ("skipped", "skipped steps"), ("alarm", "collapse alarm"), ("sec", "wall-clock")]
     for key, title in names:
         table.append(f"| {title} | " + " | ".join(fmt(s[key]) for s in stats.values()) + " |")
-    norms, n = bucket_norms(runs["(a) no filter"])
-    lines = [f"\ngradient norms by reward-variance bucket, run (a), mean over the {n} logged steps whose top bucket has reward spread:"]
-    lines += [f"  {name:8s} " + "  ".join(f"b{b}={v:.4f}" for b, v in enumerate(vals)) for name, vals in norms.items()]
+    norms, se, n = bucket_norms(runs["(a) no filter"])
+    lines = [f"\ngradient norms by reward-variance bucket, run (a), mean +- standard error over the {n} logged steps whose top bucket has reward spread:"]
+    lines += [f"  {name:8s} " + "  ".join(f"b{b}={v:.4f}+-{e:.4f}" for b, (v, e) in enumerate(zip(vals, se[name])))
+              + (f"  max/min {max(vals) / min(vals):.2f}x" if min(vals) > 0 else "") for name, vals in norms.items()]
     # what collapse looks like: the same maps, reasoning from each model; and does the answer read the reasoning?
     seeds = [10**6 + i for i in range(4)]
     samples = {"warm start": sample_reasonings(start, tok, base, seeds)} | {k: sample_reasonings(m, tok, base, seeds) for k, m in models.items()}
