@@ -599,6 +599,18 @@ def test_variance_buckets():
     assert variance_buckets([1.0], 3) == [[0], [], []]
 
 
+def test_demo_bucket_norms_mean_and_standard_error():
+    import demo
+    row = lambda step, rv2, t, e: {"step": step, "rv_b2": rv2, **{f"gn_task_b{b}": t[b] for b in range(3)},
+                                   **{f"gn_entropy_b{b}": e[b] for b in range(3)}, **{f"gn_kl_b{b}": 1.0 for b in range(3)}}
+    rows = [row(0, 0.2, [0, 1, 2], [1, 1, 3]), {"step": 1}, row(2, 0.1, [0, 3, 4], [3, 1, 1]),
+            row(4, 0.0, [9, 9, 9], [9, 9, 9])]  # step 1 not measured; step 4: no spread, left out
+    mean, se, n = demo.bucket_norms(rows)
+    assert n == 2 and mean["task"] == [0, 2, 3] and mean["entropy"] == [2, 1, 2] and mean["kl"] == [1, 1, 1]
+    assert se["task"] == pytest.approx([0, 1, 1]) and se["entropy"] == pytest.approx([1, 0, 1]) and se["kl"] == [0, 0, 0]
+    assert demo.bucket_norms([{"step": 0}]) == ({k: [0.0] * 3 for k in ("task", "entropy", "kl")},) * 2 + (0,)
+
+
 # ---------------------------------------------------------------- cross_score
 def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
