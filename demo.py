@@ -9,7 +9,7 @@ map has exactly zero reward variance; a strong entropy bonus and a small KL to t
 whose push is the same for every input.
 Writes DEMO_DIR/{table.md (the table, gradient norms and sample reasonings), demo.png} and the three runs' JSONL logs.
 """
-import copy, dataclasses, multiprocessing, os, signal, time
+import copy, dataclasses, math, multiprocessing, os, signal, time
 
 import torch
 
@@ -76,14 +76,23 @@ def follows_reasoning(model, tok, cfg, n=64):
 
 
 def bucket_norms(rows):
-    """Mean task / entropy / KL gradient norm per reward-variance bucket, and its standard error, over the logged
-    steps where the buckets differ (top bucket with spread): once every group has zero variance the buckets are an
-    arbitrary split. -> ({name: [mean per bucket]}, {name: [s.e. per bucket]}, number of steps)"""
+    """Per reward-variance bucket, the task / entropy / KL gradient norm over the logged steps where the buckets
+    differ (top bucket with spread; once every group has zero variance the buckets are an arbitrary split): its
+    mean and standard error, and a paired max/min ratio that compares the buckets within each step, since the
+    norms grow several-fold over a run and the means mix that in: g_b = exp(mean over steps of
+    log(norm_b / mean over buckets of norm)), then max g / min g (None without a step where every bucket's norm > 0).
+    -> ({name: [mean per bucket]}, {name: [s.e. per bucket]}, {name: paired ratio}, number of steps)"""
     rows = [r for r in rows if "gn_task_b0" in r and r["rv_b2"] > 0]
-    vals = {name: [[r[f"gn_{name}_b{b}"] for r in rows] for b in range(3)] for name in ["task", "entropy", "kl"]}
-    mean = {k: [sum(x) / max(len(x), 1) for x in v] for k, v in vals.items()}
-    se = {k: [(sum((y - m) ** 2 for y in x) / max(len(x) - 1, 1) / max(len(x), 1)) ** 0.5 for x, m in zip(v, mean[k])] for k, v in vals.items()}
-    return mean, se, len(rows)
+    mean, se, paired = {}, {}, {}
+    for name in ["task", "entropy", "kl"]:
+        v = [[r[f"gn_{name}_b{b}"] for b in range(3)] for r in rows]  # [step][bucket]
+        cols = list(zip(*v)) or [()] * 3
+        mean[name] = [sum(c) / max(len(c), 1) for c in cols]
+        se[name] = [(sum((y - m) ** 2 for y in c) / max(len(c) - 1, 1) / max(len(c), 1)) ** 0.5 for c, m in zip(cols, mean[name])]
+        logs = [[math.log(x * 3 / sum(n)) for x in n] for n in v if min(n) > 0]
+        g = [math.exp(sum(l[b] for l in logs) / len(logs)) for b in range(3)] if logs and name != "task" else None
+        paired[name] = max(g) / min(g) if g else None  # regularisers only: the task norm is meant to differ
+    return mean, se, paired, len(rows)
 
 
 def plot(runs, path, eval_start=None):
@@ -107,7 +116,7 @@ def plot(runs, path, eval_start=None):
         ax.set_title(title); ax.set_xlabel("step")
     axes.flat[0].legend()
     ax = axes.flat[5]  # gradient norms by reward-variance bucket, averaged over the logged steps of run (a)
-    norms, se, _ = bucket_norms(runs[next(iter(runs))])
+    norms, se, _, _ = bucket_norms(runs[next(iter(runs))])
     for i, (name, vals) in enumerate(norms.items()):  # error bars: standard error over the logged steps
         ax.bar([b + 0.27 * (i - 1) for b in range(3)], vals, yerr=se[name], capsize=2, width=0.27, label=name)
     ax.set_xticks(range(3), ["low RV", "mid RV", "high RV"]); ax.set_title("gradient norm by reward-variance bucket (a)")
@@ -195,10 +204,12 @@ def main(cfg):
              ("kept", "mean kept fraction"), ("skipped", "skipped steps"), ("alarm", "collapse alarm"), ("sec", "wall-clock")]
     for key, title in names:
         table.append(f"| {title} | " + " | ".join(fmt(s[key]) for s in stats.values()) + " |")
-    norms, se, n = bucket_norms(runs["(a) no filter"])
-    lines = [f"\ngradient norms by reward-variance bucket, run (a), mean +- standard error over the {n} logged steps whose top bucket has reward spread:"]
+    norms, se, paired, n = bucket_norms(runs["(a) no filter"])
+    lines = [f"\ngradient norms by reward-variance bucket, run (a), mean +- standard error over the {n} logged steps whose top bucket "
+             "has reward spread; max/min of the means, and paired (buckets compared within each step, see demo.bucket_norms):"]
     lines += [f"  {name:8s} " + "  ".join(f"b{b}={v:.4f}+-{e:.4f}" for b, (v, e) in enumerate(zip(vals, se[name])))
-              + (f"  max/min {max(vals) / min(vals):.2f}x" if min(vals) > 0 else "") for name, vals in norms.items()]
+              + (f"  max/min {max(vals) / min(vals):.2f}x" if min(vals) > 0 else "")
+              + (f"  paired {paired[name]:.2f}x" if paired[name] else "") for name, vals in norms.items()]
     # what collapse looks like: the same maps, reasoning from each model; and does the answer read the reasoning?
     seeds = [10**6 + i for i in range(4)]
     samples = {"warm start": sample_reasonings(start, tok, base, seeds)} | {k: sample_reasonings(m, tok, base, seeds) for k, m in models.items()}

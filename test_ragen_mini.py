@@ -605,10 +605,14 @@ def test_demo_bucket_norms_mean_and_standard_error():
                                    **{f"gn_entropy_b{b}": e[b] for b in range(3)}, **{f"gn_kl_b{b}": 1.0 for b in range(3)}}
     rows = [row(0, 0.2, [0, 1, 2], [1, 1, 3]), {"step": 1}, row(2, 0.1, [0, 3, 4], [3, 1, 1]),
             row(4, 0.0, [9, 9, 9], [9, 9, 9])]  # step 1 not measured; step 4: no spread, left out
-    mean, se, n = demo.bucket_norms(rows)
+    mean, se, paired, n = demo.bucket_norms(rows)
     assert n == 2 and mean["task"] == [0, 2, 3] and mean["entropy"] == [2, 1, 2] and mean["kl"] == [1, 1, 1]
     assert se["task"] == pytest.approx([0, 1, 1]) and se["entropy"] == pytest.approx([1, 0, 1]) and se["kl"] == [0, 0, 0]
-    assert demo.bucket_norms([{"step": 0}]) == ({k: [0.0] * 3 for k in ("task", "entropy", "kl")},) * 2 + (0,)
+    # paired: entropy relative to each step's bucket mean is (.6, .6, 1.8) then (1.8, .6, .6): geometric means
+    # sqrt(.6 * 1.8), .6, sqrt(.6 * 1.8) -> ratio sqrt(3); task has a zero bucket at every step -> None
+    assert paired["entropy"] == pytest.approx(3 ** 0.5) and paired["kl"] == pytest.approx(1.0) and paired["task"] is None
+    zeros = {k: [0.0] * 3 for k in ("task", "entropy", "kl")}
+    assert demo.bucket_norms([{"step": 0}]) == (zeros, zeros, {k: None for k in zeros}, 0)
 
 
 # ---------------------------------------------------------------- cross_score
