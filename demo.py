@@ -9,7 +9,7 @@ map has exactly zero reward variance; a strong entropy bonus and a small KL to t
 whose push is the same for every input.
 Writes DEMO_DIR/{table.md (the table, gradient norms and sample reasonings), demo.png} and the three runs' JSONL logs.
 """
-import copy, dataclasses, math, multiprocessing, os, signal, time
+import copy, dataclasses, multiprocessing, os, signal, statistics, time
 
 import torch
 
@@ -79,18 +79,17 @@ def bucket_norms(rows):
     """Per reward-variance bucket, the task / entropy / KL gradient norm over the logged steps where the buckets
     differ (top bucket with spread; once every group has zero variance the buckets are an arbitrary split): its
     mean and standard error, and a paired max/min ratio that compares the buckets within each step, since the
-    norms grow several-fold over a run and the means mix that in: g_b = exp(mean over steps of
-    log(norm_b / mean over buckets of norm)), then max g / min g (None without a step where every bucket's norm > 0).
+    norms grow several-fold over a run and the means mix that in: g_b = geometric mean over steps of
+    norm_b / (mean over buckets of norm), then max g / min g (None without a step where every bucket's norm > 0).
     -> ({name: [mean per bucket]}, {name: [s.e. per bucket]}, {name: paired ratio}, number of steps)"""
     rows = [r for r in rows if "gn_task_b0" in r and r["rv_b2"] > 0]
     mean, se, paired = {}, {}, {}
     for name in ["task", "entropy", "kl"]:
-        v = [[r[f"gn_{name}_b{b}"] for b in range(3)] for r in rows]  # [step][bucket]
-        cols = list(zip(*v)) or [()] * 3
-        mean[name] = [sum(c) / max(len(c), 1) for c in cols]
-        se[name] = [(sum((y - m) ** 2 for y in c) / max(len(c) - 1, 1) / max(len(c), 1)) ** 0.5 for c, m in zip(cols, mean[name])]
-        logs = [[math.log(x * 3 / sum(n)) for x in n] for n in v if min(n) > 0]
-        g = [math.exp(sum(l[b] for l in logs) / len(logs)) for b in range(3)] if logs and name != "task" else None
+        cols = [[r[f"gn_{name}_b{b}"] for r in rows] for b in range(3)]  # [bucket][step]
+        mean[name] = [statistics.fmean(c) if c else 0.0 for c in cols]
+        se[name] = [statistics.stdev(c) / len(c) ** 0.5 if len(c) > 1 else 0.0 for c in cols]
+        steps = [n for n in zip(*cols) if min(n) > 0]  # each step's three norms, where none is zero
+        g = [statistics.geometric_mean(3 * n[b] / sum(n) for n in steps) for b in range(3)] if steps and name != "task" else None
         paired[name] = max(g) / min(g) if g else None  # regularisers only: the task norm is meant to differ
     return mean, se, paired, len(rows)
 
