@@ -168,8 +168,9 @@ class Chat:
 
 # ----------------------------------------------------------------------------- model
 def pick_device(name):
-    auto = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    return torch.device(auto if name == "auto" else name)
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    return torch.device(name)
 
 
 def load_policy(cfg, device):
@@ -418,17 +419,23 @@ def save_ckpt(path, **state):
 
 
 def train(cfg, quiet=False):
-    """Run GRPO (+ optional SNR filter) for cfg.steps; resumes from OUT/<name>/ckpt.pt. -> summary dict."""
-    device, out = pick_device(cfg.device), run_dir(cfg)
+    """Run GRPO (+ optional SNR filter) for cfg.steps; resumes from OUT/<name>/ckpt.pt. -> (summary, model, tok)."""
+    out = run_dir(cfg)
     os.makedirs(out, exist_ok=True)
-    lock = open(os.path.join(out, "lock"), "w")  # one process per run folder: two would interleave one log
-    try:
-        import fcntl  # POSIX only; elsewhere there is no lock
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the file closes, or the process ends
-    except ImportError:
-        pass
-    except OSError:  # main() prints it as one line; a demo worker hands it to its parent
-        raise OSError(f"{out} is in use by another run of the same command (or pass --name)") from None
+    with open(os.path.join(out, "lock"), "w") as lock:  # one process per run folder: two would interleave one log
+        try:
+            import fcntl  # POSIX only; elsewhere there is no lock
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the file closes, however train ends
+        except ImportError:
+            pass
+        except OSError:  # main() prints it as one line; a demo worker hands it to its parent
+            raise OSError(f"{out} is in use by another run of the same command (or pass --name)") from None
+        return train_locked(cfg, out, quiet)
+
+
+def train_locked(cfg, out, quiet):
+    """train()'s body, run while it holds the folder's lock."""
+    device = pick_device(cfg.device)
     cfg_path, ckpt = os.path.join(out, "config.json"), os.path.join(out, "ckpt.pt")
     if os.path.exists(ckpt) and os.path.exists(cfg_path):  # resume only the run these settings started (--name, demo)
         with open(cfg_path) as f:
@@ -505,7 +512,7 @@ def train(cfg, quiet=False):
             stats = update(model, ref, opt, [seqs[g * G + i] for g in kept for i in range(G)], adv.to(device), cfg, reg_scales.get(step, 1.0))
             log |= stats | ({"skipped": 1} if math.isnan(stats["loss"]) else {})
             if math.isnan(stats["loss"]):
-                tqdm.write(f"step {step}: non-finite loss, update skipped (weights unchanged)")
+                tqdm.write(f"step {step}: non-finite loss or gradient, optimizer step skipped")
         # 8. evaluate, log, checkpoint
         if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
             log["eval_success"] = evaluate(model, tok, cfg)
@@ -526,7 +533,6 @@ def train(cfg, quiet=False):
     if not quiet:
         print(f"done: eval success {summary['eval_start']:.3f} (warm start) -> {final:.3f} after {cfg.steps} steps; "
               f"{summary['skipped']} skipped updates; {summary['sec']:.0f}s; logs in {out}/log.jsonl")
-    lock.close()
     return summary, model, tok
 
 

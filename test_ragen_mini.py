@@ -930,6 +930,20 @@ def test_a_second_copy_of_a_running_command_is_refused(tmp_path):
     assert not os.path.exists(os.path.join(folder, "log.jsonl"))  # it left the folder alone
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="the run-folder lock uses POSIX flock")
+def test_a_run_that_fails_releases_its_folder(tmp_path, monkeypatch):
+    """An error half-way through train() must not leave the folder locked for the next call in the same process."""
+    cfg = rm.parse_args(SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--steps", "1"])
+    def boom(*a, **k):
+        raise RuntimeError("boom")
+    monkeypatch.setattr(rm, "evaluate", boom)
+    with pytest.raises(RuntimeError, match="boom") as failed:
+        rm.train(cfg, quiet=True)
+    monkeypatch.undo()
+    summary, _, _ = rm.train(cfg, quiet=True)  # the traceback still holds train()'s frames, yet the lock is free
+    assert summary["steps"] == 1 and failed.value is not None
+
+
 def test_empty_filter_and_nan_loss_skip_the_update(tmp_path, monkeypatch):
     """A batch where nothing is kept, and a non-finite loss, are logged as skipped and leave the weights alone."""
     cfg = rm.parse_args(SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--filter", "snr", "--steps", "2"])
