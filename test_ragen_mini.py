@@ -881,10 +881,13 @@ def test_demo_code_path_runs_shortened(tmp_path, monkeypatch, capsys, threads):
     out = tmp_path / "demo-s0"
     for run in ("a_no_filter", "b_snr_filter", "c_control"):
         rows = [json.loads(l) for l in open(out / run / "log.jsonl")]
-        assert [r["step"] for r in rows] == [0, 1, 2] and "gn_kl_b2" in rows[0] and "eval_success" in rows[-1]
-    cfg = json.load(open(out / "c_control" / "config.json"))
-    assert cfg["reg_scale_from"].endswith("b_snr_filter/log.jsonl") and cfg["filter"] == "none"
-    assert json.load(open(out / "b_snr_filter" / "config.json"))["filter"] == "snr"
+        assert [r["step"] for r in rows] == [0, 1, 2] and "eval_success" in rows[-1]
+        assert ("gn_kl_b2" in rows[0]) == (run == "a_no_filter")  # the gradient buckets: measured in (a) only
+    cfgs = {run: json.load(open(out / run / "config.json")) for run in ("a_no_filter", "b_snr_filter", "c_control")}
+    assert cfgs["c_control"]["reg_scale_from"].endswith("b_snr_filter/log.jsonl") and cfgs["c_control"]["filter"] == "none"
+    differ = lambda x, y: {k for k in cfgs[x] if cfgs[x][k] != cfgs[y][k]}  # training settings: only the filter differs
+    assert differ("a_no_filter", "b_snr_filter") == {"filter", "name", "gradnorm_every"} and cfgs["b_snr_filter"]["filter"] == "snr"
+    assert differ("a_no_filter", "c_control") == {"name", "gradnorm_every", "reg_scale_from"}
     table = (out / "table.md").read_text()
     for needle in ["| eval success", "| MI estimate", "| MI estimate, held-out batch", "| collapse alarm", "gradient norms by reward-variance bucket",
                    "--- map 1000000 ---", "answer follows a teacher-forced reasoning"]:
