@@ -940,11 +940,11 @@ def test_a_run_that_fails_releases_its_folder(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("boom")
     monkeypatch.setattr(rm, "evaluate", boom)
-    with pytest.raises(RuntimeError, match="boom") as failed:
+    with pytest.raises(RuntimeError, match="boom") as failed:  # `failed` keeps the traceback, and train()'s frames, alive
         rm.train(cfg, quiet=True)
     monkeypatch.undo()
-    summary, _, _ = rm.train(cfg, quiet=True)  # the traceback still holds train()'s frames, yet the lock is free
-    assert summary["steps"] == 1 and failed.value is not None
+    summary, _, _ = rm.train(cfg, quiet=True)  # yet the lock is free
+    assert summary["steps"] == 1
 
 
 def test_empty_filter_and_nan_loss_skip_the_update(tmp_path, monkeypatch):
