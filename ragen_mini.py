@@ -59,7 +59,7 @@ class Config:
     entropy_coeff: float = 0.001  # entropy bonus on agent tokens (ref: entropy_coeff)
     kl_coef: float = 0.0  # k3 KL to the frozen start model; 0 keeps no reference model (ref: kl_loss_coef; TRL: beta)
     ppo_epochs: int = 1  # optimizer steps per batch
-    micro_batch: int = 64  # sequences per forward/backward (gradient accumulation)
+    micro_batch: int = 8  # sequences per forward/backward, sorted by length (gradient accumulation; fastest on a CPU, raise it on a GPU)
     grad_clip: float = 1.0  # max global grad norm
     reg_only: bool = False  # ablation: zero all task advantages, leaving only the regularisers
     reg_scale_from: str = ""  # control run: multiply regulariser coefficients by 'kept_frac' per step from this JSONL
@@ -195,6 +195,10 @@ def load_policy(cfg, device):
         Chat(tok, "")  # it needs a chat template that closes assistant turns with EOS
     except ValueError as e:
         sys.exit(f"error: {cfg.model}: {str(e).splitlines()[0]}")
+    probe = torch.tensor([tok("<think> check").input_ids], device=device)  # agent_logits() applies the LM head itself
+    with torch.no_grad():
+        if not torch.allclose(model(input_ids=probe).logits[0].float(), agent_logits(model, probe, probe >= 0).float(), atol=1e-2):
+            sys.exit(f"error: {cfg.model}: its forward changes the logits after the LM head (e.g. softcapping): not supported")
     return model, tok
 
 
@@ -223,7 +227,7 @@ def generate(model, chunks, max_new, temperature, eos_id, pad_id, state=None):
     cache, attn, pos = state or (None, ids.new_zeros(B, 0), ids.new_full((B,), -1))
     attn, new_attn = torch.cat([attn, new_attn.long()], 1), new_attn.long()
     positions = (pos[:, None] + new_attn.cumsum(1)).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache, use_cache=True)
+    out = model(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
     pos, done, toks, lps = positions[:, -1], torch.zeros(B, dtype=torch.bool, device=dev), [], []
     for t in range(max_new):
         logp = F.log_softmax(out.logits[:, -1].float() / max(temperature, 1e-5), -1)  # [B, V]
@@ -311,37 +315,47 @@ def advantages(returns, kind="grpo"):
     return centred / (returns.std(1, keepdim=True) + 1e-6)
 
 
+def agent_logits(model, ids, sel):
+    """Logits [K, V] at the K positions where sel [B, T] is True, for right-padded ids [B, T]. No attention mask is
+    needed: causal attention never lets a real token see the padding after it. The LM head runs on those positions
+    only: agent tokens are about a fifth of a conversation, and with a real model's 150k-word vocabulary the full
+    [B, T, V] logits of a batch would not fit in memory. (Assumes logits = LM head of the last hidden state, as in
+    Llama, Qwen2 and SmolLM2; load_policy checks it.)"""
+    return model.get_output_embeddings()(model.base_model(input_ids=ids).last_hidden_state[sel])
+
+
 def loss_terms(model, ref, batch, adv, cfg):
     """Token-mean terms of the GRPO objective over the agent tokens of a (micro-)batch (README step 6).
-    batch: ids/attn/mask/old_logp [B, T]; adv [B]. -> dict(pg, entropy, kl, ntok), each a scalar tensor."""
-    ids, attn, mask, old = batch
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / max(cfg.temperature, 1e-5)  # [B, T-1, V]
-    logp_all = F.log_softmax(logits, -1)
-    logp = logp_all.gather(-1, ids[:, 1:, None])[..., 0]  # [B, T-1] log pi(token)
-    m, n = mask[:, 1:], mask[:, 1:].sum().clamp(min=1)  # predict token t+1 from position t
-    ratio = torch.exp(logp - old[:, 1:])  # pi / pi_old
-    A = adv[:, None]  # [B, 1] one advantage for every token of the trajectory
+    batch: ids/attn/mask/old_logp [B, T] (attn unused: right padding); adv [B]. -> dict(pg, entropy, kl, ntok)."""
+    ids, _, mask, old = batch
+    sel = mask[:, 1:].bool()  # [B, T-1]: position t predicts token t+1, an agent token
+    tgt, n, T = ids[:, 1:][sel], sel.sum().clamp(min=1), max(cfg.temperature, 1e-5)  # tgt [K]: the agent's tokens
+    logp_all = F.log_softmax(agent_logits(model, ids[:, :-1], sel).float() / T, -1)  # [K, V]
+    logp = logp_all.gather(-1, tgt[:, None])[:, 0]  # [K] log pi(token)
+    ratio = torch.exp(logp - old[:, 1:][sel])  # [K] pi / pi_old
+    A = adv[:, None].expand_as(sel)[sel]  # [K] one advantage for every token of the trajectory
     pg = torch.maximum(-A * ratio, -A * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high))  # PPO clipped surrogate
-    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [B, T-1] full-softmax entropy
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [K] full-softmax entropy
     kl = torch.zeros_like(logp)
     if ref is not None:  # k3 estimator of KL(pi || pi_ref): exp(d) - d - 1, d = log pi_ref - log pi
         with torch.no_grad():
-            ref_logp = F.log_softmax(ref(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / max(cfg.temperature, 1e-5), -1)
-        d = ref_logp.gather(-1, ids[:, 1:, None])[..., 0] - logp
+            ref_logp = F.log_softmax(agent_logits(ref, ids[:, :-1], sel).float() / T, -1).gather(-1, tgt[:, None])[:, 0]
+        d = ref_logp - logp
         kl = torch.exp(d) - d - 1
-    mean = lambda x: (x * m).sum() / n
-    return dict(pg=mean(pg), entropy=mean(entropy), kl=mean(kl), ntok=n)
+    return dict(pg=pg.sum() / n, entropy=entropy.sum() / n, kl=kl.sum() / n, ntok=n)
 
 
 def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
     """One GRPO update on the kept episodes: micro-batched, token-mean over the whole batch. -> stats."""
     dev, total = model.device, sum(sum(s[1]) for s in seqs)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))  # similar lengths share a micro-batch: less padding
     stats = dict(loss=0.0, pg=0.0, entropy=0.0, kl=0.0)
     for _ in range(cfg.ppo_epochs):
         opt.zero_grad(set_to_none=True)
         for i in range(0, len(seqs), cfg.micro_batch):
-            batch = pad_right([s[:2] for s in seqs[i:i + cfg.micro_batch]], 0, dev, [s[2] for s in seqs[i:i + cfg.micro_batch]])
-            t = loss_terms(model, ref, batch, adv[i:i + cfg.micro_batch], cfg)
+            idx = order[i:i + cfg.micro_batch]
+            batch = pad_right([seqs[j][:2] for j in idx], 0, dev, [seqs[j][2] for j in idx])
+            t = loss_terms(model, ref, batch, adv[idx], cfg)
             loss = t["pg"] - reg_scale * cfg.entropy_coeff * t["entropy"] + reg_scale * cfg.kl_coef * t["kl"]
             w = (t["ntok"] / max(total, 1)).item()  # micro-batch share of all agent tokens: keeps it a token mean
             (loss * w).backward()

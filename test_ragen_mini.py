@@ -6,6 +6,8 @@
 
 Run: python -m pytest -q test_ragen_mini.py
 """
+import copy
+import dataclasses
 import json
 import math
 import os
@@ -830,6 +832,52 @@ def test_loss_terms_shapes_and_clip(tiny):
     old = batch[3] - 1.0  # pretend the sampler was much less likely: ratio = e > 1 + clip_high
     t2 = rm.loss_terms(model, None, batch[:3] + (old,), torch.tensor([1.0, 1.0]), cfg)
     assert abs(t2["pg"].item() + (1 + cfg.clip_high)) < 1e-3  # clipped at 1.28 for positive advantages
+
+
+def test_loss_terms_match_a_plain_full_forward(tiny):
+    """The LM head on the agent's positions only, without an attention mask (right padding), gives the same
+    terms as the plain way: full logits of a masked forward, then the agent mask (the loss before 2026-12-02)."""
+    cfg, model, tok = tiny
+    torch.manual_seed(2)
+    eps = rm.rollout(model, tok, cfg, [7, 8], 2, 1.0)
+    ids, attn, mask, old = rm.pad_right([(e["ids"], e["mask"]) for e in eps], 0, model.device, [e["logp"] for e in eps])
+    assert len({len(e["ids"]) for e in eps}) > 1  # some rows are padded
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        ref.model.norm.weight.mul_(3.0)  # a reference with sharper logits, so the KL is not 0
+    adv = torch.tensor([1.0, -0.5, 0.3, -0.8])
+    t = rm.loss_terms(model, ref, (ids, attn, mask, old + 0.1), adv, cfg)
+    with torch.no_grad():
+        lp_all = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), -1)
+        ref_lp = torch.log_softmax(ref(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), -1)
+    m, tgt = mask[:, 1:], ids[:, 1:, None]
+    lp, d = lp_all.gather(-1, tgt)[..., 0], ref_lp.gather(-1, tgt)[..., 0] - lp_all.gather(-1, tgt)[..., 0]
+    ratio, A = torch.exp(lp - old[:, 1:] - 0.1), adv[:, None]
+    plain = dict(pg=torch.maximum(-A * ratio, -A * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)),
+                 entropy=-(lp_all.exp() * lp_all).sum(-1), kl=torch.exp(d) - d - 1)
+    for k, v in plain.items():
+        assert torch.allclose(t[k], (v * m).sum() / m.sum(), atol=1e-5), k
+    assert t["kl"] > 1e-4
+
+
+def test_micro_batches_keep_the_token_mean(tiny):
+    """update() sorts the episodes by length into micro-batches; its gradient is the token mean over the whole
+    batch, the same as one loss_terms() over all episodes in their own order, whatever the micro-batch size."""
+    cfg, model, tok = tiny
+    torch.manual_seed(3)
+    eps = rm.rollout(model, tok, cfg, [21, 22, 23], 2, 1.0)
+    cut = [len(eps[0]["ids"]) - 9 * k for k in range(6)]  # prefixes of decreasing length: sorting reorders them
+    seqs = [(e["ids"][:n], e["mask"][:n], e["logp"][:n]) for e, n in zip(eps, cut)]
+    adv, cfg = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.1]), dataclasses.replace(cfg, grad_clip=1e9, entropy_coeff=0.01)
+    m = copy.deepcopy(model).train()
+    t = rm.loss_terms(m, None, rm.pad_right([s[:2] for s in seqs], 0, m.device, [s[2] for s in seqs]), adv, cfg)
+    (t["pg"] - cfg.entropy_coeff * t["entropy"]).backward()
+    want = torch.cat([p.grad.flatten() for p in m.parameters()])
+    for mb in (1, 4, 64):
+        m = copy.deepcopy(model).train()
+        stats = rm.update(m, None, torch.optim.SGD(m.parameters(), lr=0.0), seqs, adv, dataclasses.replace(cfg, micro_batch=mb))
+        assert torch.allclose(torch.cat([p.grad.flatten() for p in m.parameters()]), want, atol=1e-6), mb
+        assert abs(stats["loss"] - (t["pg"] - cfg.entropy_coeff * t["entropy"]).item()) < 1e-6
 
 
 def run_cli(*args, timeout=400):
