@@ -329,8 +329,8 @@ def loss_terms(model, ref, batch, adv, cfg):
     batch: ids/attn/mask/old_logp [B, T] (attn unused: right padding); adv [B]. -> dict(pg, entropy, kl, ntok)."""
     ids, _, mask, old = batch
     sel = mask[:, 1:].bool()  # [B, T-1]: position t predicts token t+1, an agent token
-    tgt, n, T = ids[:, 1:][sel], sel.sum().clamp(min=1), max(cfg.temperature, 1e-5)  # tgt [K]: the agent's tokens
-    logp_all = F.log_softmax(agent_logits(model, ids[:, :-1], sel).float() / T, -1)  # [K, V]
+    tgt, n, temp = ids[:, 1:][sel], sel.sum().clamp(min=1), max(cfg.temperature, 1e-5)  # tgt [K]: the agent's tokens
+    logp_all = F.log_softmax(agent_logits(model, ids[:, :-1], sel).float() / temp, -1)  # [K, V]
     logp = logp_all.gather(-1, tgt[:, None])[:, 0]  # [K] log pi(token)
     ratio = torch.exp(logp - old[:, 1:][sel])  # [K] pi / pi_old
     A = adv[:, None].expand_as(sel)[sel]  # [K] one advantage for every token of the trajectory
@@ -339,7 +339,7 @@ def loss_terms(model, ref, batch, adv, cfg):
     kl = torch.zeros_like(logp)
     if ref is not None:  # k3 estimator of KL(pi || pi_ref): exp(d) - d - 1, d = log pi_ref - log pi
         with torch.no_grad():
-            ref_logp = F.log_softmax(agent_logits(ref, ids[:, :-1], sel).float() / T, -1).gather(-1, tgt[:, None])[:, 0]
+            ref_logp = F.log_softmax(agent_logits(ref, ids[:, :-1], sel).float() / temp, -1).gather(-1, tgt[:, None])[:, 0]
         d = ref_logp - logp
         kl = torch.exp(d) - d - 1
     return dict(pg=pg.sum() / n, entropy=entropy.sum() / n, kl=kl.sum() / n, ntok=n)
