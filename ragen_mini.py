@@ -71,7 +71,7 @@ class Config:
     include_zero: bool = False  # keep zero-spread groups too (ref: rollout_filter_include_zero)
     # --- diagnostics, evaluation, runs ---
     diag_every: int = 5  # entropy + MI proxies every k steps, on the unfiltered batch
-    gradnorm_every: int = 0  # task / entropy / KL gradient norms by reward-variance bucket every k steps (0 = off)
+    gradnorm_every: int = 0  # task / entropy / KL gradient norms by reward-variance bucket every k steps with reward spread (0 = off)
     eval_every: int = 20  # evaluation every n steps (and at the start and end)
     eval_episodes: int = 128  # held-out seeds per evaluation (binomial noise: +-0.04 at success 0.3)
     eval_temperature: float = 0.5  # sampling temperature for evaluation
@@ -512,7 +512,7 @@ def train_locked(cfg, out, quiet):
                 state["alarm"] = True
                 log["alarm"] = 1
         model.train()
-        if cfg.gradnorm_every and step % cfg.gradnorm_every == 0:
+        if cfg.gradnorm_every and step % cfg.gradnorm_every == 0 and R.var(1).max() > 0:  # no spread: buckets are arbitrary
             log |= grad_norms_by_bucket(model, ref, seqs, R, cfg)
         # 4. SNR-aware filter: keep whole groups with the largest reward spread
         kept = filter_groups(R, cfg.filter, cfg.filter_p, cfg.filter_k, cfg.filter_score, cfg.include_zero)

@@ -882,6 +882,32 @@ def test_micro_batches_keep_the_token_mean(tiny):
         assert abs(stats["loss"] - loss.item()) < 1e-6
 
 
+def test_grad_norms_by_bucket_are_separate_backward_passes(tiny):
+    """Each bucket's task / entropy / KL norm is the norm of that term's own gradient on that bucket's episodes,
+    and a bucket whose groups have no reward spread has no task gradient (group-relative advantages are 0)."""
+    cfg, model, tok = tiny
+    torch.manual_seed(4)
+    eps = rm.rollout(model, tok, cfg, [31, 32, 33], 2, 1.0)
+    seqs = [(e["ids"], e["mask"], e["logp"]) for e in eps]
+    R = torch.tensor([[0.0, 0.0], [1.0, 0.0], [1.0, 1.0]])  # buckets by variance: group 0, group 2, then group 1
+    cfg = dataclasses.replace(cfg, entropy_coeff=0.05, kl_coef=0.1)
+    m, ref = copy.deepcopy(model).train(), copy.deepcopy(model)
+    with torch.no_grad():
+        ref.model.norm.weight.mul_(2.0)  # a reference that differs, so the KL term has a gradient
+    out = rm.grad_norms_by_bucket(m, ref, seqs, R, cfg)
+    assert out["gn_task_b0"] == 0 and out["gn_task_b1"] == 0 and out["gn_task_b2"] > 0
+    assert [out[f"rv_b{b}"] for b in range(3)] == [0.0, 0.0, 0.5]
+    for b, g in enumerate([0, 2, 1]):
+        idx = [2 * g, 2 * g + 1]
+        batch = rm.pad_right([seqs[i][:2] for i in idx], 0, m.device, [seqs[i][2] for i in idx])
+        t = rm.loss_terms(m, ref, batch, torch.zeros(2), cfg)
+        for name, term in (("entropy", cfg.entropy_coeff * t["entropy"]), ("kl", cfg.kl_coef * t["kl"])):
+            grads = torch.autograd.grad(term, list(m.parameters()), retain_graph=True, allow_unused=True)
+            want = math.sqrt(sum(float(g.pow(2).sum()) for g in grads if g is not None))
+            assert want > 0 and abs(out[f"gn_{name}_b{b}"] - want) < 1e-6 * max(1.0, want), (name, b)
+    assert all(p.grad is None for p in m.parameters())  # measured, never accumulated: no optimizer could step on it
+
+
 def run_cli(*args, timeout=400):
     env = dict(os.environ, OMP_NUM_THREADS="2")
     return subprocess.run([sys.executable, os.path.join(HERE, "ragen_mini.py"), *args], capture_output=True,
@@ -901,8 +927,9 @@ def test_cli_end_to_end_and_resume(tmp_path):
     (run,) = [d for d in os.listdir(tmp_path) if d.startswith("frozenlake-snr")]
     rows = [json.loads(l) for l in open(tmp_path / run / "log.jsonl")]
     assert [r["step"] for r in rows] == [0, 1]
-    for key in ["success", "reward", "kept_frac", "rv_before", "rv_after", "token_entropy", "mi", "retrieval", "sec", "gn_task_b0"]:
+    for key in ["success", "reward", "kept_frac", "rv_before", "rv_after", "token_entropy", "mi", "retrieval", "sec"]:
         assert key in rows[0], key
+    assert all(("gn_task_b0" in r) == (r["rv_before"] > 0) for r in rows)  # gradient buckets on the steps with reward spread
     assert json.load(open(tmp_path / run / "config.json"))["filter"] == "snr"
     with open(tmp_path / run / "log.jsonl", "a") as f:
         f.write('{"step": 2, "succ')  # a line cut by an interrupt mid-write is dropped on resume
@@ -932,7 +959,7 @@ def test_demo_code_path_runs_shortened(tmp_path, monkeypatch, capsys, threads):
     for run in ("a_no_filter", "b_snr_filter", "c_control"):
         rows = [json.loads(l) for l in open(out / run / "log.jsonl")]
         assert [r["step"] for r in rows] == [0, 1, 2] and "eval_success" in rows[-1]
-        assert ("gn_kl_b2" in rows[0]) == (run == "a_no_filter")  # the gradient buckets: measured in (a) only
+        assert all(("gn_kl_b2" in r) == (run == "a_no_filter" and r["rv_before"] > 0) for r in rows)  # in (a) only, with spread
     cfgs = {run: json.load(open(out / run / "config.json")) for run in ("a_no_filter", "b_snr_filter", "c_control")}
     assert cfgs["c_control"]["reg_scale_from"].endswith("b_snr_filter/log.jsonl") and cfgs["c_control"]["filter"] == "none"
     differ = lambda x, y: {k for k in cfgs[x] if cfgs[x][k] != cfgs[y][k]}  # training settings: only the filter differs
@@ -1011,6 +1038,24 @@ def test_empty_filter_and_nan_loss_skip_the_update(tmp_path, monkeypatch):
     summary, model, _ = rm.train(cfg2, quiet=True)
     assert summary["skipped"] == 2
     assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+
+
+def test_gradient_buckets_only_on_steps_with_reward_spread(tmp_path, monkeypatch):
+    """With --gradnorm-every the loop measures the buckets on a step where some group's returns spread, and skips a
+    step where none does (its buckets would be an arbitrary split)."""
+    cfg = rm.parse_args(SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--gradnorm-every", "1"])
+    real, batches = rm.rollout, []
+    def rollout(model, tok, cfg_, seeds, G, temperature):
+        eps = real(model, tok, cfg_, seeds, G, temperature)
+        if G > 1:  # a training batch (evaluation plays one episode per seed): step 0 flat, step 1 with spread
+            batches.append(eps)
+            for i, e in enumerate(eps):
+                e["ret"] = float(len(batches) == 2 and i % 2)
+        return eps
+    monkeypatch.setattr(rm, "rollout", rollout)
+    summary, _, _ = rm.train(cfg, quiet=True)
+    rows = rm.read_log(os.path.join(summary["out"], "log.jsonl"))
+    assert "gn_task_b2" not in rows[0] and rows[1]["gn_task_b2"] > 0 and rows[1]["gn_entropy_b0"] > 0
 
 
 def test_model_without_a_chat_template_gets_one_clear_line(tmp_path):
