@@ -361,6 +361,8 @@ def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
             (loss * w).backward()
             for k in stats:
                 stats[k] += w * (loss if k == "loss" else t[k]).item() / cfg.ppo_epochs
+            if not math.isfinite(stats["loss"]):
+                break  # the step is skipped below: the remaining micro-batches need not run
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         if not (torch.isfinite(gnorm) and math.isfinite(stats["loss"])):  # NaN/inf loss or gradient: no step
             opt.zero_grad(set_to_none=True)

@@ -1033,10 +1033,11 @@ def test_empty_filter_and_nan_loss_skip_the_update(tmp_path, monkeypatch):
     monkeypatch.undo()
     cfg2 = rm.parse_args(SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--filter", "none", "--name", "nan"])
     start = {k: v.clone() for k, v in rm.load_policy(cfg2, torch.device("cpu"))[0].state_dict().items()}
-    real = rm.loss_terms
-    monkeypatch.setattr(rm, "loss_terms", lambda *a: dict(real(*a), pg=torch.tensor(float("nan"), requires_grad=True)))
+    real, calls = rm.loss_terms, []
+    monkeypatch.setattr(rm, "loss_terms", lambda *a: calls.append(1) or dict(real(*a), pg=torch.tensor(float("nan"), requires_grad=True)))
     summary, model, _ = rm.train(cfg2, quiet=True)
     assert summary["skipped"] == 2
+    assert len(calls) == 2  # 16 episodes, micro-batches of 8: each update stops at its first non-finite micro-batch
     assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
 
 
