@@ -109,11 +109,21 @@ def parse_args(argv=None) -> Config:
         env.step(env.expert()[1])
     except (TypeError, ValueError, IndexError) as e:
         p.error(f"--env-args {cfg.env_args} do not fit env {cfg.env!r}: {e}")
-    ones = ("groups", "group_size", "micro_batch", "ppo_epochs", "max_actions", "diag_every", "eval_every", "eval_episodes", "save_every")
-    zeros = ("steps", "max_turns", "max_new_tokens", "gradnorm_every", "warmup_steps", "lr", "temperature", "eval_temperature")
-    bad = [f"--{f.replace('_', '-')} must be >= {n}" for fs, n in ((ones, 1), (zeros, 0)) for f in fs if getattr(cfg, f) < n]
+    ones = ("groups", "group_size", "micro_batch", "ppo_epochs", "max_actions", "diag_every", "eval_every", "eval_episodes",
+            "save_every", "tiny_layers")
+    zeros = ("steps", "max_turns", "max_new_tokens", "gradnorm_every", "warmup_steps", "lr", "temperature", "eval_temperature", "clip_high")
+    c = cfg  # rules: (flag, requirement, met?); NaN fails every comparison, so it is caught by each
+    rules = [(f.name, "a finite number", math.isfinite(getattr(c, f.name))) for f in dataclasses.fields(Config) if f.type is float]
+    rules += [(f, f">= {n}", getattr(c, f) >= n) for fs, n in ((ones, 1), (zeros, 0)) for f in fs]
+    rules += [("grad_clip", "> 0", c.grad_clip > 0), ("filter_p", "> 0", c.filter_p > 0), ("filter_k", "in (0, 1]", 0 < c.filter_k <= 1),
+              ("clip_low", "in [0, 1)", 0 <= c.clip_low < 1),
+              ("tiny_dim", "a positive multiple of 8 (4 heads of even size)", c.tiny_dim > 0 and c.tiny_dim % 8 == 0)]
+    bad = {}
+    for f, need, ok in rules:  # the first unmet requirement of each flag
+        if not ok:
+            bad.setdefault(f, f"--{f.replace('_', '-')} must be {need}")
     if bad:
-        p.error(", ".join(bad))
+        p.error(", ".join(bad.values()))
     if cfg.device == "cuda" and not torch.cuda.is_available() or cfg.device == "mps" and not torch.backends.mps.is_available():
         p.error(f"--device {cfg.device} is not available on this machine (try --device auto)")
     return cfg

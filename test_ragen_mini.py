@@ -989,7 +989,11 @@ def test_bench_code_path_prints_its_figures(tmp_path):
     (["--env-args", '{"format_penalty": "high"}'], "do not fit env"), (["--groups", "0"], ">= 1"), (["--max-new-tokens", "-1"], ">= 0"),
     (["--model", "/nonexistent/model", "--steps", "1"], "no such folder"), (["--env-args", '{"slip": "x"}'], "do not fit env"),
     (["--env-args", '{"max_turns": -1}'], "max_turns must be >= 1"), (["--env", "sokoban", "--env-args", '{"size": 3}'], "do not fit env"),
-    (["--diag-every", "0", "--lr", "-1"], "--diag-every must be >= 1, --lr must be >= 0")]
+    (["--diag-every", "0", "--lr", "-1"], "--diag-every must be >= 1, --lr must be >= 0"),
+    (["--lr", "nan"], "--lr must be a finite number"), (["--temperature", "inf"], "--temperature must be a finite number"),
+    (["--grad-clip", "-1"], "--grad-clip must be > 0"),  # a negative max norm would flip the gradient's sign
+    (["--filter-k", "0"], "--filter-k must be in (0, 1]"), (["--filter-p", "-0.5"], "--filter-p must be > 0"),
+    (["--tiny-dim", "10"], "--tiny-dim must be a positive multiple of 8"), (["--tiny-layers", "0"], "--tiny-layers must be >= 1")]
     + ([(["--device", "cuda"], "not available")] if not torch.cuda.is_available() else []))
 def test_bad_input_gets_one_clear_line(args, message, tmp_path):
     r = run_cli(*args, "--out", str(tmp_path), timeout=120)
