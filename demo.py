@@ -9,7 +9,7 @@ map has exactly zero reward variance; a strong entropy bonus and a small KL to t
 whose push is the same for every input.
 Writes DEMO_DIR/{table.md (the table, gradient norms and sample reasonings), demo.png} and the three runs' JSONL logs.
 """
-import copy, dataclasses, multiprocessing, os, signal, statistics, time
+import copy, dataclasses, hashlib, json, multiprocessing, os, signal, statistics, sys, time
 
 import torch
 
@@ -20,8 +20,32 @@ SETUP = dict(env="frozenlake-mixed", env_args='{"format_penalty": 0, "unsolvable
              gradnorm_every=5, eval_every=25, eval_episodes=128)
 
 
+OWN = ("filter", "name", "reg_scale_from")  # set by the demo for each run: not flags of the demo
+LOCAL = ("seed", "out", "device", "cache_dir", "demo")  # flags that do not change what the demo trains (seed: in the name)
+
+
+def demo_config(cfg):
+    """The demo's settings: SETUP over the defaults, except for the flags typed on the command line, which win
+    (`--demo --kl-coef 0`, `--demo --steps 100`): a fork's experiment is one flag away."""
+    typed = getattr(cfg, "typed", set())
+    if typed & set(OWN):
+        sys.exit(f"error: --demo sets {', '.join('--' + k.replace('_', '-') for k in OWN)} itself for each of its three runs")
+    base = dataclasses.replace(cfg, **{k: v for k, v in SETUP.items() if k not in typed}, demo=False)
+    if base.steps < 1:
+        sys.exit("error: --demo needs --steps >= 1")
+    return base
+
+
+def changes(cfg):
+    """The typed flags whose values differ from the demo's own set-up (SETUP over the defaults)."""
+    pure = rm.Config(**SETUP)
+    return {k: getattr(cfg, k) for k in sorted(getattr(cfg, "typed", set()) - set(LOCAL)) if getattr(cfg, k) != getattr(pure, k)}
+
+
 def demo_dir(cfg):
-    return os.path.join(cfg.out, f"demo-s{cfg.seed}")
+    """runs/demo-s<seed>, or runs/demo-s<seed>-<hash of the changes> when flags changed the set-up."""
+    tag = hashlib.sha1(json.dumps(changes(cfg), sort_keys=True).encode()).hexdigest()[:6]
+    return os.path.join(cfg.out, f"demo-s{cfg.seed}" + (f"-{tag}" if changes(cfg) else ""))
 
 
 def rows_of(out):
@@ -167,7 +191,9 @@ def run_all(a, b, c, parallel):
 
 def main(cfg):
     out = demo_dir(cfg)
-    base = dataclasses.replace(cfg, **SETUP, demo=False, out=out)
+    base = dataclasses.replace(demo_config(cfg), out=out)
+    if changes(cfg):
+        print("the demo with your flags over its set-up: " + " ".join(f"{k}={v}" for k, v in changes(cfg).items()) + f" -> {out}")
     t0 = time.time()
     a = dataclasses.replace(base, filter="none", name="a_no_filter")
     # the gradient buckets are measured in (a) only: they change no trained value, and in (b) and (c), whose

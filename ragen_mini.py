@@ -87,7 +87,7 @@ class Config:
 def parse_args(argv=None) -> Config:
     """Flags come from Config's fields; the comment beside each field is its --help."""
     helps = dict(re.findall(r"^\s+(\w+): \w+ = .*?  # (.*)$", inspect.getsource(Config), re.M))
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     choices = {"adv": ["grpo", "drgrpo"], "filter": ["none", "snr", "topk"], "filter_score": ["std", "var"],
                "device": ["auto", "cpu", "cuda", "mps"], "env": sorted(envs.ENVS)}
     for f in dataclasses.fields(Config):
@@ -96,7 +96,10 @@ def parse_args(argv=None) -> Config:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
         else:
             p.add_argument(flag, type=f.type, default=f.default, help=h, choices=choices.get(f.name))
-    cfg = Config(**vars(p.parse_args(argv)))
+    typed = {k: v for k, v in vars(p.parse_args(argv, argparse.Namespace(**{f.name: None for f in dataclasses.fields(Config)}))).items()
+             if v is not None}  # a flag left out stays None here and takes Config's default
+    cfg = Config(**typed)
+    cfg.typed = set(typed)  # the flags given on the command line (not a setting: --demo lets them override its set-up)
     try:
         assert isinstance(json.loads(cfg.env_args), dict)
     except (ValueError, AssertionError):

@@ -943,6 +943,21 @@ def test_cli_end_to_end_and_resume(tmp_path):
     assert json.load(open(tmp_path / run / "config.json"))["lr"] != 1e-3
 
 
+def test_demo_flags_typed_override_its_setup():
+    """`--demo --kl-coef 0 --steps 50` runs the demo with those two changed (a fork's experiment is one flag away),
+    in its own folder; flags left alone, or typed with the set-up's own value, give the README's demo and folder."""
+    import demo
+    plain = rm.parse_args(["--demo", "--seed", "3", "--lr", str(demo.SETUP["lr"])])  # the set-up's own value
+    mine = rm.parse_args(["--demo", "--seed", "3", "--kl-coef", "0", "--steps", "50"])  # Config's default kl_coef, typed
+    assert demo.demo_dir(plain) == os.path.join("runs", "demo-s3") and demo.changes(plain) == {}
+    assert demo.demo_config(plain) == rm.Config(**demo.SETUP, seed=3)
+    assert demo.changes(mine) == {"kl_coef": 0.0, "steps": 50} and demo.demo_dir(mine).startswith(os.path.join("runs", "demo-s3-"))
+    assert demo.demo_config(mine) == rm.Config(**(demo.SETUP | {"kl_coef": 0.0, "steps": 50}), seed=3)
+    for args, message in [(["--filter", "snr"], "sets --filter"), (["--steps", "0"], "--steps >= 1")]:
+        with pytest.raises(SystemExit, match=message):
+            demo.demo_config(rm.parse_args(["--demo", *args]))
+
+
 @pytest.mark.parametrize("threads", [2, 1])  # 2: (a) and (b) in worker processes, as on this CPU; 1: in turn, in-process
 def test_demo_code_path_runs_shortened(tmp_path, monkeypatch, capsys, threads):
     """The demo's code path stays alive: three runs of 3 steps on a small batch, then the table, the sample
@@ -954,8 +969,9 @@ def test_demo_code_path_runs_shortened(tmp_path, monkeypatch, capsys, threads):
                                         "eval_every": 2, "gradnorm_every": 1, "diag_every": 1})
     monkeypatch.setattr(demo, "HELDOUT_MAPS", 8)  # two small held-out batches: the averaging path, at a test's cost
     monkeypatch.setattr(demo, "HELDOUT_BATCHES", 2)
-    demo.main(rm.parse_args(["--demo", "--warmup-steps", "20", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "c")]))
-    out = tmp_path / "demo-s0"
+    cfg = rm.parse_args(["--demo", "--warmup-steps", "20", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "c")])
+    demo.main(cfg)
+    out = tmp_path / os.path.basename(demo.demo_dir(cfg))  # demo-s0-<hash>: --warmup-steps changed the set-up
     for run in ("a_no_filter", "b_snr_filter", "c_control"):
         rows = [json.loads(l) for l in open(out / run / "log.jsonl")]
         assert [r["step"] for r in rows] == [0, 1, 2] and "eval_success" in rows[-1]
