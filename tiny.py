@@ -37,6 +37,7 @@ def tiny_policy(cfg, device):
     trajectories (supervised, loss on agent tokens only), cache both on disk keyed by the settings."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
     key = {k: getattr(cfg, k) for k in ("env", "max_turns", "tiny_dim", "tiny_layers", "warmup_steps", "warmup_lr")}
     key |= {"version": 4, "env_args": json.dumps({k: v for k, v in json.loads(cfg.env_args).items()
                                                   if k != "format_penalty"})}  # rewards do not change expert data
@@ -45,7 +46,12 @@ def tiny_policy(cfg, device):
                         "tiny-" + hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10])
     if os.path.exists(os.path.join(path, "model.safetensors")):
         tok = PreTrainedTokenizerFast.from_pretrained(path, padding_side="left")
-        return LlamaForCausalLM.from_pretrained(path).to(device), tok
+        bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # a "Loading weights" bar for 20 small tensors is noise in the log
+        model = LlamaForCausalLM.from_pretrained(path).to(device)
+        if bar:
+            hf_logging.enable_progress_bar()
+        return model, tok
     env = rm.make_env(cfg)
     turns = cfg.max_turns or env.max_turns
     rng = random.Random(0)
