@@ -112,13 +112,14 @@ def parse_args(argv=None) -> Config:
         env.step(env.expert()[1])
     except (TypeError, ValueError, IndexError) as e:
         p.error(f"--env-args {cfg.env_args} do not fit env {cfg.env!r}: {e}")
-    ones = ("groups", "group_size", "micro_batch", "ppo_epochs", "max_actions", "diag_every", "eval_every", "eval_episodes",
+    ones = ("groups", "micro_batch", "ppo_epochs", "max_actions", "diag_every", "eval_every", "eval_episodes",
             "save_every", "tiny_layers")
     zeros = ("steps", "max_turns", "max_new_tokens", "gradnorm_every", "warmup_steps", "lr", "temperature", "eval_temperature", "clip_high")
     c = cfg  # rules: (flag, requirement, met?); NaN fails every comparison, so it is caught by each
     rules = [(f.name, "a finite number", math.isfinite(getattr(c, f.name))) for f in dataclasses.fields(Config) if f.type is float]
     rules += [(f, f">= {n}", getattr(c, f) >= n) for fs, n in ((ones, 1), (zeros, 0)) for f in fs]
-    rules += [("grad_clip", "> 0", c.grad_clip > 0), ("filter_p", "> 0", c.filter_p > 0), ("filter_k", "in (0, 1]", 0 < c.filter_k <= 1),
+    rules += [("group_size", ">= 2 (one sample has no group to be relative to: every advantage would be 0)", c.group_size >= 2),
+              ("grad_clip", "> 0", c.grad_clip > 0), ("filter_p", "> 0", c.filter_p > 0), ("filter_k", "in (0, 1]", 0 < c.filter_k <= 1),
               ("clip_low", "in [0, 1)", 0 <= c.clip_low < 1),
               ("tiny_dim", "a positive multiple of 8 (4 heads of even size)", c.tiny_dim > 0 and c.tiny_dim % 8 == 0)]
     bad = {}

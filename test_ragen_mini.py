@@ -1008,6 +1008,7 @@ def test_bench_code_path_prints_its_figures(tmp_path):
     (["--diag-every", "0", "--lr", "-1"], "--diag-every must be >= 1, --lr must be >= 0"),
     (["--lr", "nan"], "--lr must be a finite number"), (["--temperature", "inf"], "--temperature must be a finite number"),
     (["--grad-clip", "-1"], "--grad-clip must be > 0"),  # a negative max norm would flip the gradient's sign
+    (["--group-size", "1"], "--group-size must be >= 2"),  # GRPO's advantages would all be 0
     (["--filter-k", "0"], "--filter-k must be in (0, 1]"), (["--filter-p", "-0.5"], "--filter-p must be > 0"),
     (["--tiny-dim", "10"], "--tiny-dim must be a positive multiple of 8"), (["--tiny-layers", "0"], "--tiny-layers must be >= 1")]
     + ([(["--device", "cuda"], "not available")] if not torch.cuda.is_available() else []))
