@@ -21,7 +21,6 @@ SETUP = dict(env="frozenlake-mixed", env_args='{"format_penalty": 0, "unsolvable
 
 
 OWN = ("filter", "name", "reg_scale_from")  # set by the demo for each run: not flags of the demo
-LOCAL = ("seed", "out", "device", "cache_dir", "demo")  # flags that do not change what the demo trains (seed: in the name)
 
 
 def demo_config(cfg):
@@ -37,15 +36,17 @@ def demo_config(cfg):
 
 
 def changes(cfg):
-    """The typed flags whose values differ from the demo's own set-up (SETUP over the defaults)."""
-    pure = rm.Config(**SETUP)
-    return {k: getattr(cfg, k) for k in sorted(getattr(cfg, "typed", set()) - set(LOCAL)) if getattr(cfg, k) != getattr(pure, k)}
+    """The typed flags that change what the demo trains (the run settings rm.run_key names, and --steps; the seed
+    is in the folder's name) and whose values differ from the demo's own set-up (SETUP over the defaults)."""
+    pure, settings = rm.Config(**SETUP), (set(rm.run_key(cfg)) | {"steps"}) - {"seed"}
+    return {k: getattr(cfg, k) for k in sorted(getattr(cfg, "typed", set()) & settings) if getattr(cfg, k) != getattr(pure, k)}
 
 
 def demo_dir(cfg):
     """runs/demo-s<seed>, or runs/demo-s<seed>-<hash of the changes> when flags changed the set-up."""
-    tag = hashlib.sha1(json.dumps(changes(cfg), sort_keys=True).encode()).hexdigest()[:6]
-    return os.path.join(cfg.out, f"demo-s{cfg.seed}" + (f"-{tag}" if changes(cfg) else ""))
+    changed = changes(cfg)
+    tag = "-" + hashlib.sha1(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:6] if changed else ""
+    return os.path.join(cfg.out, f"demo-s{cfg.seed}{tag}")
 
 
 def rows_of(out):
@@ -190,10 +191,10 @@ def run_all(a, b, c, parallel):
 
 
 def main(cfg):
-    out = demo_dir(cfg)
+    out, changed = demo_dir(cfg), changes(cfg)
     base = dataclasses.replace(demo_config(cfg), out=out)
-    if changes(cfg):
-        print("the demo with your flags over its set-up: " + " ".join(f"{k}={v}" for k, v in changes(cfg).items()) + f" -> {out}")
+    if changed:
+        print("the demo with your flags over its set-up: " + " ".join(f"{k}={v}" for k, v in changed.items()) + f" -> {out}")
     t0 = time.time()
     a = dataclasses.replace(base, filter="none", name="a_no_filter")
     # the gradient buckets are measured in (a) only: they change no trained value, and in (b) and (c), whose
