@@ -14,6 +14,7 @@ import copy, dataclasses, hashlib, json, multiprocessing, os, signal, statistics
 import torch
 
 import ragen_mini as rm
+import runfiles
 
 SETUP = dict(env="frozenlake-mixed", env_args='{"format_penalty": 0, "unsolvable_frac": 0.625}', max_turns=0, max_actions=1,
              groups=8, group_size=8, max_new_tokens=0, steps=200, lr=1.5e-4, entropy_coeff=0.045, kl_coef=0.025, diag_every=5,
@@ -36,9 +37,9 @@ def demo_config(cfg):
 
 
 def changes(cfg):
-    """The typed flags that change what the demo trains (the run settings rm.run_key names, and --steps; the seed
+    """The typed flags that change what the demo trains (the run settings runfiles.run_key names, and --steps; the seed
     is in the folder's name) and whose values differ from the demo's own set-up (SETUP over the defaults)."""
-    pure, settings = rm.Config(**SETUP), (set(rm.run_key(cfg)) | {"steps"}) - {"seed"}
+    pure, settings = rm.Config(**SETUP), (set(runfiles.run_key(cfg)) | {"steps"}) - {"seed"}
     return {k: getattr(cfg, k) for k in sorted(getattr(cfg, "typed", set()) & settings) if getattr(cfg, k) != getattr(pure, k)}
 
 
@@ -50,7 +51,7 @@ def demo_dir(cfg):
 
 
 def rows_of(out):
-    return rm.read_log(os.path.join(out, "log.jsonl"))
+    return runfiles.read_log(os.path.join(out, "log.jsonl"))
 
 
 def last(rows, key):
@@ -162,7 +163,7 @@ def wait_for(results, cfgs, every=30):
         next(r for r in results if not r.ready()).wait(every)
         parts = []
         for c in cfgs:
-            rows = rows_of(rm.run_dir(c))  # complete lines only: the run may be writing its next one
+            rows = rows_of(runfiles.run_dir(c))  # complete lines only: the run may be writing its next one
             parts.append(f"{c.name} step {len(rows)}/{c.steps}" + (f" success {rows[-1]['success']:.2f} MI {last(rows, 'mi'):.2f}" if rows else ""))
         print(" | ".join(parts), flush=True)
 

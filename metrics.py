@@ -222,3 +222,13 @@ def variance_buckets(scores, n_buckets):
         out.append(order[start:start + n])
         start += n
     return out
+
+
+def grad_norms(terms, params):
+    """{name: ||d term / d params||_2} for each scalar term, each by its own backward pass (no optimizer step, the
+    .grad fields untouched). A term that does not depend on the parameters (e.g. a KL of coefficient 0) gives 0."""
+    out = {}
+    for name, term in terms.items():
+        grads = torch.autograd.grad(term, params, retain_graph=True, allow_unused=True) if term.requires_grad else []
+        out[name] = math.sqrt(sum(float(g.pow(2).sum()) for g in grads if g is not None))
+    return out

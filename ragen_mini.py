@@ -20,7 +20,7 @@ Deviations from the paper / reference code (veRL-based RAGEN), all deliberate:
   * the default model is an embedded tiny Llama warm-started on expert traces (no hub access needed);
   * filter score is the group reward *std* (reference code); --filter-score var gives the ports' variant.
 """
-import argparse, copy, dataclasses, hashlib, inspect, json, math, os, random, re, sys, time
+import argparse, copy, dataclasses, inspect, json, math, os, random, re, sys, time
 from dataclasses import dataclass, asdict
 
 import torch
@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 import envs
 import metrics
+import runfiles
 
 
 @dataclass
@@ -410,9 +411,8 @@ def grad_norms_by_bucket(model, ref, seqs, returns, cfg, n_buckets=3):
         idx = [g * G + i for g in groups for i in range(G)]
         batch = pad_right([seqs[i][:2] for i in idx], 0, model.device, [seqs[i][2] for i in idx])
         t = loss_terms(model, ref, batch, adv[idx].to(model.device), cfg)
-        for name, term in (("task", t["pg"]), ("entropy", cfg.entropy_coeff * t["entropy"]), ("kl", cfg.kl_coef * t["kl"])):
-            grads = torch.autograd.grad(term, params, retain_graph=True, allow_unused=True) if term.requires_grad else []
-            out[f"gn_{name}_b{b}"] = math.sqrt(sum(float(g.pow(2).sum()) for g in grads if g is not None))
+        terms = {"task": t["pg"], "entropy": cfg.entropy_coeff * t["entropy"], "kl": cfg.kl_coef * t["kl"]}
+        out |= {f"gn_{k}_b{b}": v for k, v in metrics.grad_norms(terms, params).items()}
         out[f"rv_b{b}"] = float(returns[groups].var(1).mean())
     return out
 
@@ -425,74 +425,29 @@ def evaluate(model, tok, cfg, n=None):
 
 
 # ----------------------------------------------------------------------------- the loop
-def run_key(cfg):
-    """The settings that make a run what it is: its folder's name hashes them, and a resume must match them."""
-    return {k: v for k, v in asdict(cfg).items() if k not in ("demo", "bench", "device", "out", "name", "steps", "cache_dir")}
-
-
-def run_dir(cfg):
-    tag = hashlib.sha1(json.dumps(run_key(cfg), sort_keys=True).encode()).hexdigest()[:6]
-    return os.path.join(cfg.out, cfg.name or f"{cfg.env}-{cfg.filter}-s{cfg.seed}-{tag}")
-
-
-def read_log(path):
-    """The rows of a run's JSONL log ([] if there is none yet); a last line cut mid-write by an interrupt is left out."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(l) for l in f if l.endswith("\n")]
-
-
-def save_ckpt(path, **state):
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)  # atomic: an interrupted save never corrupts the last checkpoint
-
-
 def train(cfg, quiet=False):
-    """Run GRPO (+ optional SNR filter) for cfg.steps; resumes from OUT/<name>/ckpt.pt. -> (summary, model, tok)."""
-    out = run_dir(cfg)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "lock"), "w") as lock:  # one process per run folder: two would interleave one log
-        try:
-            import fcntl  # POSIX only; elsewhere there is no lock
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the file closes, however train ends
-        except ImportError:
-            pass
-        except OSError:  # main() prints it as one line; a demo worker hands it to its parent
-            raise OSError(f"{out} is in use by another run of the same command (or pass --name)") from None
+    """Run GRPO (+ optional SNR filter) for cfg.steps in its run folder (runfiles.py), resuming from its last
+    checkpoint. -> (summary, model, tok)."""
+    out = runfiles.run_dir(cfg)
+    with runfiles.locked(out):  # one process per run folder, released however train ends
         return train_locked(cfg, out, quiet)
 
 
 def train_locked(cfg, out, quiet):
     """train()'s body, run while it holds the folder's lock."""
     device = pick_device(cfg.device)
-    cfg_path, ckpt = os.path.join(out, "config.json"), os.path.join(out, "ckpt.pt")
-    if os.path.exists(ckpt) and os.path.exists(cfg_path):  # resume only the run these settings started (--name, demo)
-        with open(cfg_path) as f:
-            old = json.load(f)
-        changed = sorted(k for k, v in run_key(cfg).items() if old.get(k) != v)
-        if changed:
-            raise FileExistsError(f"{out} holds a run made with other settings ({', '.join(changed)}): "
-                                  "remove that folder to start over, or pass another --name or --out")
-    with open(cfg_path, "w") as f:
-        json.dump(asdict(cfg), f, indent=1)
+    c = runfiles.resume(cfg, out, device)  # the last checkpoint, or None; refuses a folder of other settings
     model, tok = load_policy(cfg, device)
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None  # frozen start model
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    ema, log_path = metrics.ZScoreEMA(), os.path.join(out, "log.jsonl")
+    ema, log_path, ckpt = metrics.ZScoreEMA(), os.path.join(out, "log.jsonl"), os.path.join(out, "ckpt.pt")
     start, state = 0, {"mi0": None, "ent0": None, "alarm": False, "eval0": None}
-    if os.path.exists(ckpt):  # resume: weights, optimizer, step, and the running statistics
-        c = torch.load(ckpt, map_location=device, weights_only=False)
+    if c is not None:  # resume: weights, optimizer, step, and the running statistics
         model.load_state_dict(c["model"]); opt.load_state_dict(c["opt"]); ema.load_state_dict(c["ema"])
         start, state = c["step"], c["state"]
         if ref is not None:
             ref.load_state_dict(c["ref"])
-        rows = [r for r in read_log(log_path) if r["step"] < start]  # drop lines written after the checkpoint
-        with open(log_path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
         print(f"resuming {out} from step {start}")
-    elif os.path.exists(log_path):
-        os.remove(log_path)
     reg_scales = {}
     if cfg.reg_scale_from:  # control run (demo c): regulariser x the kept fraction another run had at each step
         with open(cfg.reg_scale_from) as f:  # a missing log is an error, not a silent scale of 1
@@ -547,16 +502,15 @@ def train_locked(cfg, out, quiet):
         if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
             log["eval_success"] = evaluate(model, tok, cfg)
         log["sec"] = time.time() - t0
-        with open(log_path, "a") as f:
-            f.write(json.dumps(log) + "\n")
+        runfiles.write_log(log_path, [log])
         if not quiet:
             tqdm.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in log.items()))
         shown |= {k: log[k] for k in ("success", "token_entropy", "mi", "kept_frac") if k in log}
         bar.set_postfix({k: f"{v:.2f}" for k, v in shown.items()})
         if (step + 1) % cfg.save_every == 0 or step == cfg.steps - 1:
-            save_ckpt(ckpt, model=model.state_dict(), opt=opt.state_dict(), ema=ema.state_dict(), step=step + 1,
+            runfiles.save_ckpt(ckpt, model=model.state_dict(), opt=opt.state_dict(), ema=ema.state_dict(), step=step + 1,
                       state=state, ref=ref.state_dict() if ref is not None else None)
-    rows = read_log(log_path)
+    rows = runfiles.read_log(log_path)
     final = next((r["eval_success"] for r in reversed(rows) if "eval_success" in r), state["eval0"])
     summary = dict(out=out, eval_start=state["eval0"], eval_final=final, alarm=state["alarm"], steps=len(rows),
                    skipped=sum(r.get("skipped", 0) for r in rows), sec=sum(r["sec"] for r in rows))
@@ -579,7 +533,7 @@ def main(argv=None):
     except KeyboardInterrupt:
         if cfg.demo:
             import demo
-        where = demo.demo_dir(cfg) if cfg.demo else run_dir(cfg)
+        where = demo.demo_dir(cfg) if cfg.demo else runfiles.run_dir(cfg)
         sys.exit(f"\ninterrupted: rerun the same command to resume from the last checkpoint{'s' * cfg.demo} in {where}")
     except OSError as e:  # unknown model path / hub id with no network, unreadable run folder
         sys.exit(f"error: {e.__class__.__name__}: {(str(e).splitlines() or [repr(e)])[0]}")

@@ -25,9 +25,10 @@ import torch.nn.functional as F
 
 import envs
 import ragen_mini as rm
+import runfiles
 from tiny import expert_episode as warm_start_episode
 from envs import FORMAT_PENALTY, ENVS, make_env, parse_reply, step_reply
-from metrics import ZScoreEMA, cross_score, mi_metrics, token_entropy, variance_buckets
+from metrics import ZScoreEMA, cross_score, grad_norms, mi_metrics, token_entropy, variance_buckets
 
 
 # ============================================================================ environments
@@ -601,6 +602,13 @@ def test_variance_buckets():
     assert variance_buckets([1.0], 3) == [[0], [], []]
 
 
+def test_grad_norms_closed_form():
+    """Each term's norm is that of its own gradient (a . w -> |a|, |w|^2 / 2 -> |w|); a constant gives 0; .grad untouched."""
+    w, a = torch.tensor([3.0, 0.0, 4.0], requires_grad=True), torch.tensor([1.0, 2.0, 2.0])
+    out = grad_norms({"lin": (a * w).sum(), "sq": 0.5 * (w * w).sum(), "const": torch.tensor(2.0)}, [w])
+    assert out == pytest.approx({"lin": 3.0, "sq": 5.0, "const": 0.0}) and w.grad is None
+
+
 def test_demo_bucket_norms_mean_and_standard_error():
     import demo
     row = lambda step, rv2, t, e: {"step": step, "rv_b2": rv2, **{f"gn_task_b{b}": t[b] for b in range(3)},
@@ -920,7 +928,7 @@ SMALL = ["--steps", "2", "--groups", "4", "--group-size", "4", "--warmup-steps",
 
 def test_cli_end_to_end_and_resume(tmp_path):
     args = SMALL + ["--filter", "snr", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache"), "--gradnorm-every", "1"]
-    assert rm.run_dir(rm.parse_args(args)) == rm.run_dir(rm.parse_args(args + ["--cache-dir", "/elsewhere"]))  # where the warm start is cached does not define the run
+    assert runfiles.run_dir(rm.parse_args(args)) == runfiles.run_dir(rm.parse_args(args + ["--cache-dir", "/elsewhere"]))  # where the warm start is cached does not define the run
     r = run_cli(*args)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "done: eval success" in r.stdout and "kept_frac=" in r.stdout
@@ -1022,7 +1030,7 @@ def test_a_second_copy_of_a_running_command_is_refused(tmp_path):
     """Two processes on one run folder would interleave its log and checkpoint: the second is told so and stops."""
     import fcntl
     args = SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache")]
-    folder = rm.run_dir(rm.parse_args(args))
+    folder = runfiles.run_dir(rm.parse_args(args))
     os.makedirs(folder)
     with open(os.path.join(folder, "lock"), "w") as lock:  # stands in for the first, still running copy
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1076,7 +1084,7 @@ def test_gradient_buckets_only_on_steps_with_reward_spread(tmp_path, monkeypatch
         return eps
     monkeypatch.setattr(rm, "rollout", rollout)
     summary, _, _ = rm.train(cfg, quiet=True)
-    rows = rm.read_log(os.path.join(summary["out"], "log.jsonl"))
+    rows = runfiles.read_log(os.path.join(summary["out"], "log.jsonl"))
     assert "gn_task_b2" not in rows[0] and rows[1]["gn_task_b2"] > 0 and rows[1]["gn_entropy_b0"] > 0
 
 

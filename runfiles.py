@@ -1,0 +1,78 @@
+"""Run folders: where a run's settings, log and checkpoints live, so that rerunning a command resumes it.
+
+Plumbing for the loop in ragen_mini.py, kept apart so that file reads as the algorithm. A run is the folder
+OUT/<name>/ holding config.json (its settings), log.jsonl (one JSON row per step), ckpt.pt (weights, optimizer,
+step and running statistics, every --save-every steps) and lock (held while a process writes the folder).
+"""
+import contextlib, hashlib, json, os
+from dataclasses import asdict
+
+import torch
+
+
+def run_key(cfg):
+    """The settings that make a run what it is: its folder's name hashes them, and a resume must match them."""
+    return {k: v for k, v in asdict(cfg).items() if k not in ("demo", "bench", "device", "out", "name", "steps", "cache_dir")}
+
+
+def run_dir(cfg):
+    """OUT/<name>; the default name is <env>-<filter>-s<seed>-<hash of the settings>."""
+    tag = hashlib.sha1(json.dumps(run_key(cfg), sort_keys=True).encode()).hexdigest()[:6]
+    return os.path.join(cfg.out, cfg.name or f"{cfg.env}-{cfg.filter}-s{cfg.seed}-{tag}")
+
+
+@contextlib.contextmanager
+def locked(out):
+    """Hold OUT/lock while the block runs: one process per run folder, since two would interleave one log.
+    Released when the block ends, however it ends (the lock goes with the file)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "lock"), "w") as lock:
+        try:
+            import fcntl  # POSIX only; elsewhere there is no lock
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:
+            pass
+        except OSError:  # main() prints it as one line; a demo worker hands it to its parent
+            raise OSError(f"{out} is in use by another run of the same command (or pass --name)") from None
+        yield
+
+
+def read_log(path):
+    """The rows of a run's JSONL log ([] if there is none yet); a last line cut mid-write by an interrupt is left out."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(l) for l in f if l.endswith("\n")]
+
+
+def write_log(path, rows, mode="a"):
+    with open(path, mode) as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def resume(cfg, out, device):
+    """Open OUT for a run of these settings: refuse a folder that holds a run of other settings, write
+    config.json, and -> the last checkpoint (a dict), or None for a fresh start. The log keeps only the rows
+    written before that checkpoint (a fresh start removes it)."""
+    cfg_path, ckpt, log = (os.path.join(out, f) for f in ("config.json", "ckpt.pt", "log.jsonl"))
+    if os.path.exists(ckpt) and os.path.exists(cfg_path):  # resume only the run these settings started (--name, demo)
+        with open(cfg_path) as f:
+            old = json.load(f)
+        changed = sorted(k for k, v in run_key(cfg).items() if old.get(k) != v)
+        if changed:
+            raise FileExistsError(f"{out} holds a run made with other settings ({', '.join(changed)}): "
+                                  "remove that folder to start over, or pass another --name or --out")
+    with open(cfg_path, "w") as f:
+        json.dump(asdict(cfg), f, indent=1)
+    if not os.path.exists(ckpt):
+        if os.path.exists(log):
+            os.remove(log)
+        return None
+    c = torch.load(ckpt, map_location=device, weights_only=False)
+    write_log(log, [r for r in read_log(log) if r["step"] < c["step"]], "w")  # drop rows written after the checkpoint
+    return c
+
+
+def save_ckpt(path, **state):
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)  # atomic: an interrupted save never corrupts the last checkpoint
