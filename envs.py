@@ -94,6 +94,12 @@ class Env:
         return self.render(), reward, self.done, {"valid": True, "success": self.success}
 
 
+def _need(ok, message):
+    """Constructor argument checks: a value out of range fails at once, with its name, not minutes into a run."""
+    if not ok:
+        raise ValueError(message)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Grid helpers shared by FrozenLake and Sokoban (positions are (row, column), row 0 on top)
 
@@ -152,8 +158,9 @@ class FrozenLake(Env):
     def __init__(self, size=4, p_hole=0.25, slip=0.0, max_turns=5, unsolvable_frac=0.0, generic_think=0.0):
         self.size, self.p_hole, self.slip = size, p_hole, slip
         self.max_turns, self.unsolvable_frac, self.generic_think = max_turns, unsolvable_frac, generic_think
-        if not 0 <= generic_think <= 1:
-            raise ValueError(f"generic_think is a probability, got {generic_think}")
+        _need(isinstance(size, int) and size >= 2, f"size must be an integer >= 2, got {size!r}")
+        for k, v in (("p_hole", p_hole), ("slip", slip), ("unsolvable_frac", unsolvable_frac), ("generic_think", generic_think)):
+            _need(0 <= v <= 1, f"{k} is a probability in [0, 1], got {v!r}")
 
     def reset(self, seed):
         self.rng = random.Random(seed)  # also draws the slips, so an episode is reproducible
@@ -305,6 +312,9 @@ class Sokoban(Env):
 
     def __init__(self, size=6, max_turns=10, inner_walls=2):
         self.size, self.max_turns, self.inner_walls = size, max_turns, inner_walls
+        _need(isinstance(size, int) and size >= 4, f"size must be an integer >= 4 (walls around the map), got {size!r}")
+        _need(0 <= inner_walls <= (size - 2) ** 2 - 3, f"inner_walls must be in [0, {(size - 2) ** 2 - 3}] (floor "
+              f"for the player, the box and the target), got {inner_walls!r}")
 
     def reset(self, seed):
         rng = random.Random(seed)
@@ -527,6 +537,7 @@ class WebShop(Env):
 
     def __init__(self, n_items=8, max_turns=5):
         self.n_items, self.max_turns = n_items, max_turns
+        _need(isinstance(n_items, int) and 1 <= n_items <= 90, f"n_items must be an integer in [1, 90], got {n_items!r}")
 
     def reset(self, seed):
         rng = random.Random(seed)
@@ -754,6 +765,7 @@ class CodeExec(Env):
 
     def __init__(self, max_turns=3, n_tests=4):
         self.max_turns, self.n_tests = max_turns, n_tests
+        _need(isinstance(n_tests, int) and n_tests >= 1, f"n_tests must be an integer >= 1, got {n_tests!r}")
 
     def reset(self, seed):
         rng = random.Random(seed)

@@ -231,6 +231,19 @@ def test_frozenlake_generic_think_changes_only_the_reasoning():
         make_env("frozenlake", generic_think=1.5)
 
 
+@pytest.mark.parametrize("name, kwargs, message", [
+    ("frozenlake", {"slip": 2}, "slip is a probability"), ("frozenlake", {"p_hole": -0.1}, "p_hole is a probability"),
+    ("frozenlake-mixed", {"unsolvable_frac": 1.5}, "unsolvable_frac is a probability"),
+    ("frozenlake", {"slip": float("nan")}, "slip is a probability"), ("frozenlake", {"size": 1}, "size must be an integer >= 2"),
+    ("frozenlake", {"size": 4.5}, "size must be an integer"), ("sokoban", {"size": 3}, "size must be an integer >= 4"),
+    ("sokoban", {"inner_walls": 99}, "inner_walls must be in [0, 13]"), ("webshop", {"n_items": 0}, "n_items must be"),
+    ("code", {"n_tests": 0}, "n_tests must be")])
+def test_env_arguments_out_of_range_fail_at_once_with_their_name(name, kwargs, message):
+    """Each constructor checks its arguments (slip 2 used to run, and n_items 0 was a KeyError at the first reset)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_env(name, **kwargs)
+
+
 def test_sokoban_levels_are_solvable_within_the_budget():
     for size in (5, 6):
         env = make_env("sokoban", size=size)
@@ -1013,6 +1026,7 @@ def test_bench_code_path_prints_its_figures(tmp_path):
     (["--env-args", '{"format_penalty": "high"}'], "do not fit env"), (["--groups", "0"], ">= 1"), (["--max-new-tokens", "-1"], ">= 0"),
     (["--model", "/nonexistent/model", "--steps", "1"], "no such folder"), (["--env-args", '{"slip": "x"}'], "do not fit env"),
     (["--env-args", '{"max_turns": -1}'], "max_turns must be >= 1"), (["--env", "sokoban", "--env-args", '{"size": 3}'], "do not fit env"),
+    (["--env-args", '{"slip": 2}'], "slip is a probability in [0, 1]"), (["--env", "webshop", "--env-args", '{"n_items": 0}'], "n_items must be"),
     (["--diag-every", "0", "--lr", "-1"], "--diag-every must be >= 1, --lr must be >= 0"),
     (["--lr", "nan"], "--lr must be a finite number"), (["--temperature", "inf"], "--temperature must be a finite number"),
     (["--grad-clip", "-1"], "--grad-clip must be > 0"),  # a negative max norm would flip the gradient's sign
