@@ -129,6 +129,11 @@ def parse_args(argv=None) -> Config:
             bad.setdefault(f, f"--{f.replace('_', '-')} must be {need}")
     if bad:
         p.error(", ".join(bad.values()))
+    try:  # the control run's scales: checked now, read when the run starts
+        if cfg.reg_scale_from:
+            runfiles.kept_fractions(cfg.reg_scale_from)
+    except (OSError, ValueError) as e:
+        p.error(f"--reg-scale-from: {e}")
     if cfg.device == "cuda" and not torch.cuda.is_available() or cfg.device == "mps" and not torch.backends.mps.is_available():
         p.error(f"--device {cfg.device} is not available on this machine (try --device auto)")
     return cfg
@@ -448,10 +453,8 @@ def train_locked(cfg, out, quiet):
         if ref is not None:
             ref.load_state_dict(c["ref"])
         print(f"resuming {out} from step {start}")
-    reg_scales = {}
-    if cfg.reg_scale_from:  # control run (demo c): regulariser x the kept fraction another run had at each step
-        with open(cfg.reg_scale_from) as f:  # a missing log is an error, not a silent scale of 1
-            reg_scales = {r["step"]: r["kept_frac"] for r in map(json.loads, f)}
+    # control run (demo c): the regularisers x the kept fraction that another run had at each step
+    reg_scales = runfiles.kept_fractions(cfg.reg_scale_from) if cfg.reg_scale_from else {}
     if not quiet:
         print("config: " + " ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
     if state["eval0"] is None:

@@ -73,6 +73,21 @@ def resume(cfg, out, device):
     return c
 
 
+def kept_fractions(path):
+    """{step: kept_frac} from another run's log.jsonl (the demo's control run scales its regularisers by them).
+    A missing file raises OSError and a file that is not such a log ValueError: never a silent scale of 1."""
+    with open(path) as f:
+        lines = [l for l in f if l.strip()]
+    try:
+        rows = [json.loads(l) for l in lines]
+        scales = {r["step"]: float(r["kept_frac"]) for r in rows}
+    except (ValueError, KeyError, TypeError):  # not JSON, a row that is no dict, a key missing
+        scales = {}
+    if not scales:
+        raise ValueError(f"{path} is not a run's log.jsonl (one JSON row per step, with step and kept_frac)")
+    return scales
+
+
 def save_ckpt(path, **state):
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)  # atomic: an interrupted save never corrupts the last checkpoint

@@ -615,6 +615,19 @@ def test_variance_buckets():
     assert variance_buckets([1.0], 3) == [[0], [], []]
 
 
+def test_kept_fractions_read_a_log_or_refuse_it(tmp_path):
+    """The control run's scales: {step: kept_frac} from a run's log; anything else raises, never a silent scale of 1."""
+    good = tmp_path / "log.jsonl"
+    good.write_text('{"step": 0, "kept_frac": 0.25, "mi": 1.0}\n{"step": 1, "kept_frac": 1}\n')
+    assert runfiles.kept_fractions(good) == {0: 0.25, 1: 1.0}
+    for i, text in enumerate(["", "# notes\n", '{"step": 0}\n', "[1, 2]\n", '{"step": 0, "kept_frac": "x"}\n']):
+        (tmp_path / f"bad{i}").write_text(text)
+        with pytest.raises(ValueError, match="is not a run's log.jsonl"):
+            runfiles.kept_fractions(tmp_path / f"bad{i}")
+    with pytest.raises(OSError):
+        runfiles.kept_fractions(tmp_path / "missing.jsonl")
+
+
 def test_grad_norms_closed_form():
     """Each term's norm is that of its own gradient (a . w -> |a|, |w|^2 / 2 -> |w|); a constant gives 0; .grad untouched."""
     w, a = torch.tensor([3.0, 0.0, 4.0], requires_grad=True), torch.tensor([1.0, 2.0, 2.0])
@@ -1026,6 +1039,7 @@ def test_bench_code_path_prints_its_figures(tmp_path):
     (["--env-args", '{"format_penalty": "high"}'], "do not fit env"), (["--groups", "0"], ">= 1"), (["--max-new-tokens", "-1"], ">= 0"),
     (["--model", "/nonexistent/model", "--steps", "1"], "no such folder"), (["--env-args", '{"slip": "x"}'], "do not fit env"),
     (["--env-args", '{"max_turns": -1}'], "max_turns must be >= 1"), (["--env", "sokoban", "--env-args", '{"size": 3}'], "do not fit env"),
+    (["--reg-scale-from", os.path.join(HERE, "README.md")], "is not a run's log.jsonl"),
     (["--env-args", '{"slip": 2}'], "slip is a probability in [0, 1]"), (["--env", "webshop", "--env-args", '{"n_items": 0}'], "n_items must be"),
     (["--diag-every", "0", "--lr", "-1"], "--diag-every must be >= 1, --lr must be >= 0"),
     (["--lr", "nan"], "--lr must be a finite number"), (["--temperature", "inf"], "--temperature must be a finite number"),

@@ -52,6 +52,7 @@ def tiny_policy(cfg, device):
         if bar:
             hf_logging.enable_progress_bar()
         return model, tok
+    os.makedirs(path, exist_ok=True)  # an unwritable cache fails now, not after minutes of training
     env = rm.make_env(cfg)
     turns = cfg.max_turns or env.max_turns
     rng = random.Random(0)
@@ -94,6 +95,5 @@ def tiny_policy(cfg, device):
             (nll / n).backward()  # the LM head runs on the agent's positions alone
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # without it a late loss spike can undo the warm start
         opt.step(); sched.step()
-    os.makedirs(path, exist_ok=True)
     model.save_pretrained(path); tok.save_pretrained(path)
     return model, tok
