@@ -1124,6 +1124,22 @@ def test_model_without_a_chat_template_gets_one_clear_line(tmp_path):
     assert r.returncode != 0 and "chat template" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_model_whose_logits_are_softcapped_is_refused_and_a_plain_one_loads(tiny, tmp_path):
+    """agent_logits() applies the LM head itself, so load_policy refuses a model whose forward changes the logits
+    after it (Gemma 2's softcapping), and loads one whose forward does not (Llama, saved and read back)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    _, model, tok = tiny
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                           final_logit_softcapping=0.05, pad_token_id=tok.pad_token_id))
+    for name, m in (("gemma", gemma), ("llama", model)):
+        m.save_pretrained(tmp_path / name); tok.save_pretrained(tmp_path / name)
+    with pytest.raises(SystemExit, match="changes the logits after the LM head"):
+        rm.load_policy(rm.parse_args(["--model", str(tmp_path / "gemma")]), torch.device("cpu"))
+    loaded, _ = rm.load_policy(rm.parse_args(["--model", str(tmp_path / "llama")]), torch.device("cpu"))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
+
+
 def test_model_folder_under_home_loads_with_a_tilde(tiny, tmp_path, monkeypatch):
     _, model, tok = tiny
     model.save_pretrained(tmp_path / "home" / "m"); tok.save_pretrained(tmp_path / "home" / "m")
