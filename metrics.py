@@ -232,3 +232,11 @@ def grad_norms(terms, params):
         grads = torch.autograd.grad(term, params, retain_graph=True, allow_unused=True) if term.requires_grad else []
         out[name] = math.sqrt(sum(float(g.pow(2).sum()) for g in grads if g is not None))
     return out
+
+
+def sign_test(gained, lost):
+    """Two-sided exact sign test (McNemar's test on the discordant pairs) for a paired before/after comparison:
+    on the same items, `gained` went from fail to success and `lost` from success to fail. Under "no change" each
+    discordant item is either with probability 1/2: p = min(1, 2 * P[Binomial(gained + lost, 1/2) <= min(gained, lost)])."""
+    n, k = gained + lost, min(gained, lost)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n)

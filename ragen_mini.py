@@ -422,11 +422,11 @@ def grad_norms_by_bucket(model, ref, seqs, returns, cfg, n_buckets=3):
     return out
 
 
-def evaluate(model, tok, cfg, n=None):
-    """Success rate on held-out seeds (>= 1e6, never used for training) at the evaluation temperature."""
+def evaluate(model, tok, cfg):
+    """Per held-out map (seeds >= 1e6, never used for training): solved at the evaluation temperature? [bool]"""
     torch.manual_seed(10**6)  # the same sampling noise at every evaluation: runs compare on equal terms
-    eps = rollout(model, tok, cfg, [10**6 + i for i in range(n or cfg.eval_episodes)], 1, cfg.eval_temperature)
-    return sum(e["success"] for e in eps) / len(eps)
+    eps = rollout(model, tok, cfg, [10**6 + i for i in range(cfg.eval_episodes)], 1, cfg.eval_temperature)
+    return [e["success"] for e in eps]
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -457,8 +457,9 @@ def train_locked(cfg, out, quiet):
     reg_scales = runfiles.kept_fractions(cfg.reg_scale_from) if cfg.reg_scale_from else {}
     if not quiet:
         print("config: " + " ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
-    if state["eval0"] is None:
-        state["eval0"] = evaluate(model, tok, cfg)
+    if state["eval0"] is None:  # the warm start's evaluation, map by map: the end compares the same maps
+        state["maps0"] = state["maps"] = evaluate(model, tok, cfg)
+        state["eval0"] = sum(state["maps0"]) / len(state["maps0"])
     P, G, log, shown = cfg.groups, cfg.group_size, {}, {}
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=quiet, desc=os.path.basename(out))
     for step in bar:
@@ -503,7 +504,8 @@ def train_locked(cfg, out, quiet):
                 tqdm.write(f"step {step}: non-finite loss or gradient, optimizer step skipped")
         # 8. evaluate, log, checkpoint
         if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
-            log["eval_success"] = evaluate(model, tok, cfg)
+            state["maps"] = evaluate(model, tok, cfg)
+            log["eval_success"] = sum(state["maps"]) / len(state["maps"])
         log["sec"] = time.time() - t0
         runfiles.write_log(log_path, [log])
         if not quiet:
@@ -515,11 +517,15 @@ def train_locked(cfg, out, quiet):
                       state=state, ref=ref.state_dict() if ref is not None else None)
     rows = runfiles.read_log(log_path)
     final = next((r["eval_success"] for r in reversed(rows) if "eval_success" in r), state["eval0"])
+    pairs = list(zip(state.get("maps0", []), state.get("maps", [])))  # the same held-out maps, before and after
+    gained, lost = sum(b and not a for a, b in pairs), sum(a and not b for a, b in pairs)
     summary = dict(out=out, eval_start=state["eval0"], eval_final=final, alarm=state["alarm"], steps=len(rows),
-                   skipped=sum(r.get("skipped", 0) for r in rows), sec=sum(r["sec"] for r in rows))
+                   skipped=sum(r.get("skipped", 0) for r in rows), sec=sum(r["sec"] for r in rows),
+                   gained=gained, lost=lost, p_sign=metrics.sign_test(gained, lost))
     if not quiet:
-        print(f"done: eval success {summary['eval_start']:.3f} (warm start) -> {final:.3f} after {cfg.steps} steps; "
-              f"{summary['skipped']} skipped updates; {summary['sec']:.0f}s; logs in {out}/log.jsonl")
+        paired = f" (of the same {len(pairs)} maps, {gained} newly solved and {lost} newly failed: sign test p = {summary['p_sign']:.2g})"
+        print(f"done: eval success {summary['eval_start']:.3f} (warm start) -> {final:.3f} after {cfg.steps} steps"
+              f"{paired * bool(pairs)}; {summary['skipped']} skipped updates; {summary['sec']:.0f}s; logs in {out}/log.jsonl")
     return summary, model, tok
 
 

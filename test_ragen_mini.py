@@ -28,7 +28,7 @@ import ragen_mini as rm
 import runfiles
 from tiny import expert_episode as warm_start_episode
 from envs import FORMAT_PENALTY, ENVS, make_env, parse_reply, step_reply
-from metrics import ZScoreEMA, cross_score, grad_norms, mi_metrics, token_entropy, variance_buckets
+from metrics import ZScoreEMA, cross_score, grad_norms, mi_metrics, sign_test, token_entropy, variance_buckets
 
 
 # ============================================================================ environments
@@ -628,6 +628,13 @@ def test_kept_fractions_read_a_log_or_refuse_it(tmp_path):
         runfiles.kept_fractions(tmp_path / "missing.jsonl")
 
 
+def test_sign_test_closed_form():
+    """Two-sided exact sign test: 8 gained vs 1 lost is 2 * (C(9, 0) + C(9, 1)) / 2^9; a tie or no discordant map gives 1."""
+    assert sign_test(8, 1) == sign_test(1, 8) == pytest.approx(20 / 512)
+    assert sign_test(10, 0) == pytest.approx(2 / 1024) and sign_test(5, 5) == 1.0 and sign_test(0, 0) == 1.0
+    assert sign_test(35, 11) < 1e-3 < sign_test(6, 2)
+
+
 def test_grad_norms_closed_form():
     """Each term's norm is that of its own gradient (a . w -> |a|, |w|^2 / 2 -> |w|); a constant gives 0; .grad untouched."""
     w, a = torch.tensor([3.0, 0.0, 4.0], requires_grad=True), torch.tensor([1.0, 2.0, 2.0])
@@ -1114,6 +1121,9 @@ def test_gradient_buckets_only_on_steps_with_reward_spread(tmp_path, monkeypatch
     summary, _, _ = rm.train(cfg, quiet=True)
     rows = runfiles.read_log(os.path.join(summary["out"], "log.jsonl"))
     assert "gn_task_b2" not in rows[0] and rows[1]["gn_task_b2"] > 0 and rows[1]["gn_entropy_b0"] > 0
+    n = cfg.eval_episodes  # the paired count of the summary: the same maps, before and after
+    assert summary["gained"] - summary["lost"] == round((summary["eval_final"] - summary["eval_start"]) * n)
+    assert summary["gained"] + summary["lost"] <= n and 0 < summary["p_sign"] <= 1
 
 
 def test_model_without_a_chat_template_gets_one_clear_line(tmp_path):
