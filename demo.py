@@ -207,10 +207,12 @@ def main(cfg):
     start, tok = rm.load_policy(base, device)  # the warm start: built (or read from the cache) once, for all three runs
     labels = ["(a) no filter", "(b) SNR filter", "(c) control"]
     summaries = run_all(a, b, c, parallel=device.type == "cpu" and torch.get_num_threads() >= 2)
-    models, runs, times = {}, {}, {}
+    models, runs, times, maps = {}, {}, {}, {}
     for label, summary in zip(labels, summaries):
         models[label] = copy.deepcopy(start)  # the run's final weights, from its last checkpoint
-        models[label].load_state_dict(torch.load(os.path.join(summary["out"], "ckpt.pt"), map_location=device, weights_only=False)["model"])
+        ckpt = torch.load(os.path.join(summary["out"], "ckpt.pt"), map_location=device, weights_only=False)
+        models[label].load_state_dict(ckpt["model"])
+        maps["warm start"], maps[label] = ckpt["state"].get("maps0"), ckpt["state"].get("maps")  # per held-out map: solved?
         runs[label], times[label], eval_start = rows_of(summary["out"]), summary["sec"], summary["eval_start"]
     held = {k: heldout_mi(m, tok, base) for k, m in [("warm start", start)] + list(models.items())}
     first = runs["(a) no filter"][0]
@@ -234,9 +236,16 @@ def main(cfg):
              ("kept", "mean kept fraction"), ("skipped", "skipped steps"), ("alarm", "collapse alarm"), ("sec", "wall-clock")]
     for key, title in names:
         table.append(f"| {title} | " + " | ".join(fmt(s[key]) for s in stats.values()) + " |")
+    duels = [("(b) SNR filter", "(a) no filter"), ("(b) SNR filter", "(c) control")] + [(k, "warm start") for k in labels]
+    lines = [f"\nfinal evaluations, map by map (the same {base.eval_episodes} held-out maps and sampling seed for every model):"]
+    for x, y in duels:
+        if maps[x] and maps[y]:  # none in a run checkpointed before the maps were kept
+            won, lost = sum(p and not q for p, q in zip(maps[x], maps[y])), sum(q and not p for p, q in zip(maps[x], maps[y]))
+            lines.append(f"  {x} solves {won} maps that {y} fails and fails {lost} that it solves: sign test p = "
+                         f"{rm.metrics.sign_test(won, lost):.2g}")
     norms, se, paired, n = bucket_norms(runs["(a) no filter"])
-    lines = [f"\ngradient norms by reward-variance bucket, run (a), mean +- standard error over the {n} logged steps whose top bucket "
-             "has reward spread; max/min of the means, and paired (buckets compared within each step, see demo.bucket_norms):"]
+    lines += [f"\ngradient norms by reward-variance bucket, run (a), mean +- standard error over the {n} logged steps whose top bucket "
+              "has reward spread; max/min of the means, and paired (buckets compared within each step, see demo.bucket_norms):"]
     lines += [f"  {name:8s} " + "  ".join(f"b{b}={v:.4f}+-{e:.4f}" for b, (v, e) in enumerate(zip(vals, se[name])))
               + (f"  max/min {max(vals) / min(vals):.2f}x" if min(vals) > 0 else "")
               + (f"  paired {paired[name]:.2f}x" if paired[name] else "") for name, vals in norms.items()]

@@ -1026,6 +1026,9 @@ def test_demo_code_path_runs_shortened(tmp_path, monkeypatch, capsys, threads):
     for needle in ["| eval success", "| MI estimate", "| MI estimate, held-out batch", "| collapse alarm", "gradient norms by reward-variance bucket",
                    "--- map 1000000 ---", "answer follows a teacher-forced reasoning"]:
         assert needle in table, needle
+    duels = re.findall(r"  (.+?) solves (\d+) maps that (.+?) fails and fails (\d+) that it solves: sign test p = ", table)
+    assert [(x, y) for x, _, y, _ in duels][:2] == [("(b) SNR filter", "(a) no filter"), ("(b) SNR filter", "(c) control")]
+    assert len(duels) == 5 and all(int(w) + int(l) <= 8 for _, w, _, l in duels)  # 8 held-out maps in this test
     try:
         import matplotlib  # noqa: F401 (optional dependency)
         assert (out / "demo.png").stat().st_size > 10_000
