@@ -543,7 +543,8 @@ def main(argv=None):
         if cfg.demo:
             import demo
         where = demo.demo_dir(cfg) if cfg.demo else runfiles.run_dir(cfg)
-        sys.exit(f"\ninterrupted: rerun the same command to resume from the last checkpoint{'s' * cfg.demo} in {where}")
+        sys.exit(f"\ninterrupted: rerun the same command to resume from the last checkpoint{'s' * cfg.demo} in {where}"
+                 " (a warm start cut short resumes from its own, in --cache-dir)")
     except OSError as e:  # unknown model path / hub id with no network, unreadable run folder
         sys.exit(f"error: {e.__class__.__name__}: {(str(e).splitlines() or [repr(e)])[0]}")
 

@@ -4,7 +4,7 @@ Plumbing for the loop in ragen_mini.py, kept apart so that file reads as the alg
 OUT/<name>/ holding config.json (its settings), log.jsonl (one JSON row per step), ckpt.pt (weights, optimizer,
 step and running statistics, every --save-every steps) and lock (held while a process writes the folder).
 """
-import contextlib, hashlib, json, os
+import contextlib, hashlib, json, math, os
 from dataclasses import asdict
 
 import torch
@@ -22,9 +22,10 @@ def run_dir(cfg):
 
 
 @contextlib.contextmanager
-def locked(out):
+def locked(out, wait=False):
     """Hold OUT/lock while the block runs: one process per run folder, since two would interleave one log.
-    Released when the block ends, however it ends (the lock goes with the file)."""
+    Released when the block ends, however it ends (the lock goes with the file). wait: block until the
+    holder is done instead of refusing (the warm-start cache: the second process then reads the first's model)."""
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "lock"), "w") as lock:
         try:
@@ -33,7 +34,10 @@ def locked(out):
         except ImportError:
             pass
         except OSError:  # main() prints it as one line; a demo worker hands it to its parent
-            raise OSError(f"{out} is in use by another run of the same command (or pass --name)") from None
+            if not wait:
+                raise OSError(f"{out} is in use by another run of the same command (or pass --name)") from None
+            print(f"waiting for another process to finish {out}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
 
@@ -46,8 +50,10 @@ def read_log(path):
 
 
 def write_log(path, rows, mode="a"):
+    """Append rows as strict JSON lines: a non-finite number (a skipped step's NaN loss) is written as null."""
+    finite = lambda v: None if isinstance(v, float) and not math.isfinite(v) else v
     with open(path, mode) as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+        f.writelines(json.dumps({k: finite(v) for k, v in r.items()}, allow_nan=False) + "\n" for r in rows)
 
 
 def resume(cfg, out, device):

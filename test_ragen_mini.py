@@ -1078,6 +1078,23 @@ def test_a_second_copy_of_a_running_command_is_refused(tmp_path):
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="the run-folder lock uses POSIX flock")
+def test_a_warm_start_being_built_is_waited_for(tmp_path, capsys):
+    """locked(wait=True), as the warm-start cache uses it: the second comer says it waits, and enters once the first is done."""
+    import fcntl, threading
+    entered = threading.Event()
+    with open(tmp_path / "lock", "w") as lock:  # stands in for a process building the warm start
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        def second():
+            with runfiles.locked(str(tmp_path), wait=True):
+                entered.set()
+        t = threading.Thread(target=second)
+        t.start()
+        assert not entered.wait(1.0)  # blocked while the first holds the lock
+    t.join(10)
+    assert entered.is_set() and "waiting for another process" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the run-folder lock uses POSIX flock")
 def test_a_run_that_fails_releases_its_folder(tmp_path, monkeypatch):
     """An error half-way through train() must not leave the folder locked for the next call in the same process."""
     cfg = rm.parse_args(SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--steps", "1"])
@@ -1106,6 +1123,11 @@ def test_empty_filter_and_nan_loss_skip_the_update(tmp_path, monkeypatch):
     assert summary["skipped"] == 2
     assert len(calls) == 2  # 16 episodes, micro-batches of 8: each update stops at its first non-finite micro-batch
     assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+    def strict(c):
+        raise ValueError(f"{c} is not JSON")
+    with open(os.path.join(summary["out"], "log.jsonl")) as f:  # strict JSON (jq, JSON.parse): the NaN loss is null
+        rows = [json.loads(l, parse_constant=strict) for l in f]
+    assert [r["loss"] for r in rows] == [None, None] and all(r["skipped"] == 1 for r in rows)
 
 
 def test_gradient_buckets_only_on_steps_with_reward_spread(tmp_path, monkeypatch):
@@ -1127,6 +1149,37 @@ def test_gradient_buckets_only_on_steps_with_reward_spread(tmp_path, monkeypatch
     n = cfg.eval_episodes  # the paired count of the summary: the same maps, before and after
     assert summary["gained"] - summary["lost"] == round((summary["eval_final"] - summary["eval_start"]) * n)
     assert summary["gained"] + summary["lost"] <= n and 0 < summary["p_sign"] <= 1
+
+
+def test_interrupted_warm_start_resumes_to_the_same_model(tmp_path, monkeypatch):
+    """Ctrl-C during the warm start loses at most tiny.SAVE_EVERY steps: the rerun continues from the last
+    checkpoint (model, optimizer, schedule) and ends with the weights of an uninterrupted build, bit for bit."""
+    import tiny
+    monkeypatch.setattr(tiny, "SAVE_EVERY", 2)
+    args = ["--warmup-steps", "5", "--tiny-dim", "32"]
+    clean, _ = rm.load_policy(rm.parse_args(args + ["--cache-dir", str(tmp_path / "a")]), torch.device("cpu"))
+    calls, real = [], tiny.expert_episode
+
+    def counted(*a, stop=None):
+        calls.append(1)
+        if stop is not None and len(calls) > stop:
+            raise KeyboardInterrupt
+        return real(*a)
+    cfg = rm.parse_args(args + ["--cache-dir", str(tmp_path / "b")])
+    monkeypatch.setattr(tiny, "expert_episode", lambda *a: counted(*a, stop=32 * 3 + 5))  # Ctrl-C in step 4 (index 3)
+    with pytest.raises(KeyboardInterrupt):
+        rm.load_policy(cfg, torch.device("cpu"))
+    (folder,) = (tmp_path / "b").iterdir()
+    assert not (folder / "model.safetensors").exists() and (folder / "warm_start.pt").exists()  # no half cache
+    calls.clear()
+    monkeypatch.setattr(tiny, "expert_episode", counted)
+    resumed, _ = rm.load_policy(cfg, torch.device("cpu"))
+    assert len(calls) == 32 * 3  # steps 2, 3, 4: resumed from the step-2 checkpoint, not from the start
+    assert not (folder / "warm_start.pt").exists() and (folder / "model.safetensors").exists()
+    assert all(torch.equal(v, clean.state_dict()[k]) for k, v in resumed.state_dict().items())
+    calls.clear()
+    rm.load_policy(cfg, torch.device("cpu"))  # now cached: no training at all
+    assert calls == []
 
 
 def test_model_without_a_chat_template_gets_one_clear_line(tmp_path):

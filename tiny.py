@@ -11,6 +11,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import ragen_mini as rm
+import runfiles
+
+SAVE_EVERY = 50  # warm-start steps between checkpoints (about 20 s of work here)
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -35,8 +38,7 @@ def expert_episode(env, seed, chat, max_turns):
 def tiny_policy(cfg, device):
     """Build a byte-level BPE tokenizer and a small Llama from the env's own text, warm-start it on expert
     trajectories (supervised, loss on agent tokens only), cache both on disk keyed by the settings."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
     key = {k: getattr(cfg, k) for k in ("env", "max_turns", "tiny_dim", "tiny_layers", "warmup_steps", "warmup_lr")}
     key |= {"version": 4, "env_args": json.dumps({k: v for k, v in json.loads(cfg.env_args).items()
@@ -44,15 +46,26 @@ def tiny_policy(cfg, device):
     # one warm start, shared by every RL --seed
     path = os.path.join(os.path.expanduser(cfg.cache_dir),
                         "tiny-" + hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10])
-    if os.path.exists(os.path.join(path, "model.safetensors")):
-        tok = PreTrainedTokenizerFast.from_pretrained(path, padding_side="left")
-        bar = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # a "Loading weights" bar for 20 small tensors is noise in the log
-        model = LlamaForCausalLM.from_pretrained(path).to(device)
-        if bar:
-            hf_logging.enable_progress_bar()
-        return model, tok
-    os.makedirs(path, exist_ok=True)  # an unwritable cache fails now, not after minutes of training
+    done = os.path.join(path, "model.safetensors")  # written last: its presence means the cache is complete
+    if not os.path.exists(done):
+        os.makedirs(path, exist_ok=True)  # an unwritable cache fails now, not after minutes of training
+        with runfiles.locked(path, wait=True):  # a second process building the same model waits, then reads it
+            if not os.path.exists(done):
+                return warm_start(cfg, path, device)
+    tok = PreTrainedTokenizerFast.from_pretrained(path, padding_side="left")
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar for 20 small tensors is noise in the log
+    model = LlamaForCausalLM.from_pretrained(path).to(device)
+    if bar:
+        hf_logging.enable_progress_bar()
+    return model, tok
+
+
+def warm_start(cfg, path, device):
+    """Build the tokenizer and the model, train the model on expert conversations, save both in path. Checkpoints
+    every SAVE_EVERY steps: an interrupted build resumes where it stopped and ends with the same weights."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     env = rm.make_env(cfg)
     turns = cfg.max_turns or env.max_turns
     rng = random.Random(0)
@@ -82,7 +95,13 @@ def tiny_policy(cfg, device):
     chat = rm.Chat(tok, env.instruction)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1, (i + 1) / 50) * (0.55 + 0.45 * math.cos(math.pi * i / max(cfg.warmup_steps, 1))))
-    for i in tqdm(range(cfg.warmup_steps), desc="warm start (cached after the first run)"):
+    ckpt, start = os.path.join(path, "warm_start.pt"), 0
+    if os.path.exists(ckpt):  # an interrupted build: continue from its last checkpoint
+        c = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(c["model"]); opt.load_state_dict(c["opt"]); sched.load_state_dict(c["sched"])
+        start = c["step"]
+        print(f"warm start: resuming from step {start} ({ckpt})")
+    for i in tqdm(range(start, cfg.warmup_steps), initial=start, total=cfg.warmup_steps, desc="warm start (cached after the first run)"):
         batch = sorted((expert_episode(env, s, chat, turns) for s in seeds[300 + 32 * i: 300 + 32 * (i + 1)]),
                        key=lambda b: len(b[0]))  # 32 fresh maps; similar lengths share a micro-batch: less padding
         n = sum(sum(m) for _, m in batch)  # agent tokens in the step: the loss is their mean
@@ -95,5 +114,13 @@ def tiny_policy(cfg, device):
             (nll / n).backward()  # the LM head runs on the agent's positions alone
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # without it a late loss spike can undo the warm start
         opt.step(); sched.step()
-    model.save_pretrained(path); tok.save_pretrained(path)
+        if (i + 1) % SAVE_EVERY == 0 and i + 1 < cfg.warmup_steps:
+            runfiles.save_ckpt(ckpt, model=model.state_dict(), opt=opt.state_dict(), sched=sched.state_dict(), step=i + 1)
+    tok.save_pretrained(path)
+    model.save_pretrained(path + ".tmp")  # then moved in, model.safetensors last: a cut save leaves no half cache
+    for f in sorted(os.listdir(path + ".tmp"), key=lambda f: f == "model.safetensors"):
+        os.replace(os.path.join(path + ".tmp", f), os.path.join(path, f))
+    os.rmdir(path + ".tmp")
+    if os.path.exists(ckpt):
+        os.remove(ckpt)
     return model, tok
