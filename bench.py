@@ -85,15 +85,16 @@ def hf_generate_time(model, tok, eps):
     return total
 
 
-def plain_step_time(model, seqs):
-    """Pure training cost: one forward+backward+AdamW step over the same padded batch (next-token loss)."""
+def plain_step_time(model, seqs, epochs=1):
+    """Pure training cost: `epochs` forward+backward+AdamW steps over the same padded batch (next-token loss)."""
     model = copy.deepcopy(model).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     ids, attn, mask = rm.pad_right([s[:2] for s in seqs], 0, model.device)
     sync(); t0 = time.perf_counter()
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-    loss = (F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none") * mask[:, 1:]).sum() / mask.sum()
-    loss.backward(); opt.step()
+    for _ in range(epochs):  # the update makes --ppo-epochs optimizer steps on its batch
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        loss = (F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none") * mask[:, 1:]).sum() / mask.sum()
+        opt.zero_grad(); loss.backward(); opt.step()
     sync()
     return time.perf_counter() - t0
 
@@ -103,6 +104,7 @@ def main(cfg, iters=4):
     device = rm.pick_device(cfg.device)
     model, tok = rm.load_policy(cfg, device)
     clock, ema = Clock(model), rm.metrics.ZScoreEMA()
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None  # as train() keeps it
     P, G = cfg.groups, cfg.group_size
     print(f"bench: {cfg.model} on {device}, {P} groups x {G}, env {cfg.env}, max_turns {cfg.max_turns or 'env default'}, "
           f"diagnostics every {cfg.diag_every} steps (amortised), {torch.get_num_threads()} threads")
@@ -123,7 +125,8 @@ def main(cfg, iters=4):
         t_diag = (time.perf_counter() - t1) / cfg.diag_every  # amortised over the diagnostics period
         model.train()
         adv = rm.advantages(R, cfg.adv).flatten().to(device)
-        kept = rm.filter_groups(R, "snr", cfg.filter_p, cfg.filter_k, cfg.filter_score, cfg.include_zero)
+        rule = cfg.filter if cfg.filter != "none" else "snr"  # the filtered update: --filter's rule (snr by default)
+        kept = rm.filter_groups(R, rule, cfg.filter_p, cfg.filter_k, cfg.filter_score, cfg.include_zero)
         times = {}
         for mode, groups in (("none", list(range(P))), ("snr", kept)):
             idx = [g * G + i for g in groups for i in range(G)]
@@ -131,13 +134,14 @@ def main(cfg, iters=4):
             o2 = torch.optim.AdamW(m2.parameters(), lr=cfg.lr)
             sync(); t2 = time.perf_counter()
             if idx:
-                rm.update(m2, None, o2, [seqs[i] for i in idx], adv[idx], cfg)
+                rm.update(m2, ref, o2, [seqs[i] for i in idx], adv[idx], cfg)
             sync(); times[mode] = time.perf_counter() - t2
-        t_update = times[cfg.filter if cfg.filter in times else "none"]
+        t_update = times["none" if cfg.filter == "none" else "snr"]
         t_iter = t_roll + t_diag + t_update
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type in rm.AMP_DEVICES):  # as the loop runs
             t_gen = hf_generate_time(model, tok, eps)
-            t_plain = plain_step_time(model, seqs if cfg.filter == "none" else [seqs[g * G + i] for g in kept for i in range(G)] or seqs[:1])
+            t_plain = plain_step_time(model, seqs if cfg.filter == "none" else [seqs[g * G + i] for g in kept for i in range(G)] or seqs[:1],
+                                      cfg.ppo_epochs)
         c = clock.t
         row = dict(rollout=t_roll, prefill=c["prefill"], decode=c["decode"], env=c["env"], diag=t_diag, update=t_update,
                    update_none=times["none"], update_snr=times["snr"], kept=len(kept) / P, iter=t_iter,

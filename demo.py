@@ -9,7 +9,7 @@ map has exactly zero reward variance; a strong entropy bonus and a small KL to t
 whose push is the same for every input.
 Writes DEMO_DIR/{table.md (the table, gradient norms and sample reasonings), demo.png} and the three runs' JSONL logs.
 """
-import copy, dataclasses, hashlib, json, multiprocessing, os, signal, statistics, sys, time
+import copy, dataclasses, hashlib, json, multiprocessing, multiprocessing.connection, os, signal, statistics, sys, time
 
 import torch
 
@@ -31,8 +31,8 @@ def demo_config(cfg):
     if typed & set(OWN):
         sys.exit(f"error: --demo sets {', '.join('--' + k.replace('_', '-') for k in OWN)} itself for each of its three runs")
     base = dataclasses.replace(cfg, **{k: v for k, v in SETUP.items() if k not in typed}, demo=False)
-    if base.steps < 1:
-        sys.exit("error: --demo needs --steps >= 1")
+    if base.steps < 1 or base.groups < 3:
+        sys.exit("error: --demo needs --steps >= 1 and --groups >= 3 (its gradient buckets are three)")
     return base
 
 
@@ -150,17 +150,54 @@ def plot(runs, path, eval_start=None):
     return True
 
 
-def train_arm(cfg, threads):
-    """One run of the demo in a worker process: `threads` torch threads; quiet but for the collapse alarm."""
+def train_arm(cfg, threads, conn):
+    """One run of the demo in a worker process: `threads` torch threads; quiet but for the collapse alarm.
+    Sends ("ok", summary) or ("error", message) back through conn."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C is the parent's: it stops the workers, whose checkpoints stay
     torch.set_num_threads(threads)
-    return rm.train(cfg, quiet=True)[0]
+    try:
+        conn.send(("ok", rm.train(cfg, quiet=True)[0]))
+    except Exception as e:
+        conn.send(("error", f"run {cfg.name}: {type(e).__name__}: {e}"))
 
 
-def wait_for(results, cfgs, every=30):
-    """Block until every result is ready, printing one status line from the runs' logs every `every` seconds."""
-    while not all(r.ready() for r in results):
-        next(r for r in results if not r.ready()).wait(every)
+class Arm:
+    """A demo run in its own process (spawned: a fresh interpreter). result() returns its summary, or raises its
+    error, or says that its process died (killed, out of memory): a lost worker never leaves the demo waiting."""
+
+    def __init__(self, ctx, cfg, threads):
+        self.conn, child = ctx.Pipe(duplex=False)
+        self.proc, self.name, self.out = ctx.Process(target=train_arm, args=(cfg, threads, child), daemon=True), cfg.name, None
+        self.proc.start()
+        child.close()
+
+    def ready(self):
+        return self.out is not None or self.conn.poll() or not self.proc.is_alive()
+
+    def result(self):
+        if self.out is None and self.conn.poll():
+            try:
+                self.out = self.conn.recv()
+            except EOFError:  # the pipe closed without a message: the process died
+                pass
+        if self.out is None:
+            self.proc.join(5)  # it has ended without a word
+            raise RuntimeError(f"run {self.name}: its process died (exit code {self.proc.exitcode}); rerun the command to resume it")
+        if self.out[0] == "error":
+            raise RuntimeError(self.out[1])
+        return self.out[1]
+
+
+def wait_for(arms, running, cfgs, every=30):
+    """Block until `arms` have ended, printing one status line from the runs' logs every `every` seconds. A run of
+    `running` that fails raises at once, rather than after the others have run for minutes."""
+    while True:
+        for r in running:
+            if r.ready():
+                r.result()  # raises if the run failed or its process died
+        if all(r.ready() for r in arms):
+            return
+        multiprocessing.connection.wait([x for r in arms if not r.ready() for x in (r.conn, r.proc.sentinel)], every)
         parts = []
         for c in cfgs:
             rows = rows_of(runfiles.run_dir(c))  # complete lines only: the run may be writing its next one
@@ -170,25 +207,24 @@ def wait_for(results, cfgs, every=30):
 
 def run_all(a, b, c, parallel):
     """(a), (b), then (c), which reads (b)'s kept fractions. On a CPU (parallel) (a) and (b) run side by side and
-    (c) starts when (b) ends, each process on half the threads: on a 2-core CPU that saves the overlap, a minute
-    or two against the runs one after another (README "The demo"). -> their summaries."""
+    (c) starts when (b) has ended well, each process on half the threads: on a 2-core CPU that saves the overlap, a
+    minute or two against the runs one after another (README "The demo"). -> their summaries."""
     if not parallel:
         return [rm.train(x)[0] for x in (a, b, c)]
     threads = max(1, torch.get_num_threads() // 2)
     print(f"(a) and (b) side by side, then (c) once (b) is done, {threads} thread(s) each; progress every 30 s:")
-    # workers stopped by ^C leave their semaphores to Python's resource tracker, which would warn about each one
-    os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning:multiprocessing.resource_tracker")
-    pool, done = multiprocessing.get_context("spawn").Pool(2), False
+    ctx, arms = multiprocessing.get_context("spawn"), []
     try:
-        ra, rb = (pool.apply_async(train_arm, (x, threads)) for x in (a, b))
-        wait_for([rb], [a, b])
-        rc = pool.apply_async(train_arm, (c, threads))
-        wait_for([ra, rc], [a, b, c])
-        out, done = [r.get() for r in (ra, rb, rc)], True
-        return out
-    finally:  # on ^C or an error, stop the workers at once (their last checkpoints stay); else let them exit
-        pool.close() if done else pool.terminate()
-        pool.join()
+        arms += [Arm(ctx, x, threads) for x in (a, b)]
+        wait_for(arms[1:], arms, [a, b])  # raises if (b) failed: (c) must not scale its regularisers by a half-written log
+        arms.append(Arm(ctx, c, threads))
+        wait_for([arms[0], arms[2]], arms, [a, b, c])
+        return [r.result() for r in arms]
+    finally:  # on ^C or an error, stop the workers at once (their last checkpoints stay); else they have exited
+        for r in arms:
+            if r.proc.is_alive():
+                r.proc.terminate()
+            r.proc.join()
 
 
 def main(cfg):
@@ -206,7 +242,10 @@ def main(cfg):
     device = rm.pick_device(base.device)
     start, tok = rm.load_policy(base, device)  # the warm start: built (or read from the cache) once, for all three runs
     labels = ["(a) no filter", "(b) SNR filter", "(c) control"]
-    summaries = run_all(a, b, c, parallel=device.type == "cpu" and torch.get_num_threads() >= 2)
+    try:
+        summaries = run_all(a, b, c, parallel=device.type == "cpu" and torch.get_num_threads() >= 2)
+    except RuntimeError as e:  # a run failed, or its process died: one line; every run's last checkpoint stays
+        sys.exit(f"error: {e}")
     models, runs, times, maps = {}, {}, {}, {}
     for label, summary in zip(labels, summaries):
         models[label] = copy.deepcopy(start)  # the run's final weights, from its last checkpoint

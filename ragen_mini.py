@@ -215,15 +215,17 @@ def pad_right(seqs, pad_id, device, extra=None):
 # ----------------------------------------------------------------------------- rollout
 @amp
 @torch.no_grad()
-def generate(model, chunks, max_new, temperature, eos_id, pad_id, state=None):
+def generate(model, chunks, max_new, temperature, stop, pad_id, state=None):
     """Batched sampling with a KV cache that is kept across turns.
 
     chunks: per sequence, the tokens not yet in the cache (turn 1: the prompt; later: the rest of the last
     reply + the environment's next message). state: (cache, attention [B, T], last position [B]) from the
     previous turn, rows matching chunks, or None. Chunks are left-padded; padding is masked out and positions
     come from the mask, so the cache may hold holes. -> (new token lists, their log-probs at this temperature,
-    state). Each token list ends at (and includes) EOS, or is max_new long when the turn was cut."""
+    state). stop: the id(s) that end a turn. Each token list ends at (and includes) a stop id, or is max_new long
+    when the turn was cut."""
     dev, B, T = model.device, len(chunks), max(len(c) for c in chunks)
+    stop = torch.tensor(stop if isinstance(stop, (list, tuple)) else [stop], device=dev)
     ids = torch.tensor([[pad_id] * (T - len(c)) + c for c in chunks], device=dev)  # [B, T]
     new_attn = torch.arange(T, device=dev)[None] >= torch.tensor([T - len(c) for c in chunks], device=dev)[:, None]
     cache, attn, pos = state or (None, ids.new_zeros(B, 0), ids.new_full((B,), -1))
@@ -235,15 +237,16 @@ def generate(model, chunks, max_new, temperature, eos_id, pad_id, state=None):
         logp = F.log_softmax(out.logits[:, -1].float() / max(temperature, 1e-5), -1)  # [B, V]
         nxt = torch.multinomial(logp.exp(), 1)[:, 0] if temperature > 0 else logp.argmax(-1)
         toks.append(torch.where(done, pad_id, nxt)); lps.append(logp.gather(1, nxt[:, None])[:, 0])
-        if t == max_new - 1 or (done | (nxt == eos_id)).all():
+        if t == max_new - 1 or (done | torch.isin(nxt, stop)).all():
             break  # the last sampled token is not fed: the next turn's chunk starts with it
         live = (~done).long()[:, None]  # tokens after EOS are padding: masked out, position not advanced
         attn, pos = torch.cat([attn, live], 1), pos + live[:, 0]
         out = model(input_ids=toks[-1][:, None], attention_mask=attn, position_ids=pos[:, None],
                     past_key_values=out.past_key_values, use_cache=True)
-        done |= nxt == eos_id
+        done |= torch.isin(nxt, stop)
     K, toks, lps = len(toks), torch.stack(toks, 1).tolist(), torch.stack(lps, 1).tolist()
-    lens = [row.index(eos_id) + 1 if eos_id in row else len(row) for row in toks]
+    ends = set(stop.tolist())
+    lens = [next((k + 1 for k, x in enumerate(row) if x in ends), len(row)) for row in toks]
     unfed = [n == K for n in lens]  # True when a sequence's last token was sampled at the final step
     return [t[:n] for t, n in zip(toks, lens)], [lp[:n] for lp, n in zip(lps, lens)], (out.past_key_values, attn, pos), unfed
 
@@ -260,6 +263,8 @@ def rollout(model, tok, cfg, seeds, group_size, temperature):
                             fmt_errors=0, turns=0, first_prompt=None, first_think=None, replies=[], chunk=[]))
     chat, turns = Chat(tok, eps[0]["env"].instruction), cfg.max_turns or eps[0]["env"].max_turns
     budget = cfg.max_new_tokens or eps[0]["env"].reply_tokens  # tokens per agent turn
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)  # the model's own stop ids, if any
+    stop = sorted({tok.eos_token_id} | set([extra] if isinstance(extra, int) else extra or []))
     live, state = eps, None
     for turn in range(1, turns + 1):
         for e in live:  # the environment's message opens the turn (env tokens: not trained on)
@@ -268,11 +273,11 @@ def rollout(model, tok, cfg, seeds, group_size, temperature):
             e["ids"] += p; e["mask"] += [0] * len(p); e["logp"] += [0.0] * len(p); e["chunk"] += p
             e["first_prompt"] = e["first_prompt"] or p
         new, lps, state, unfed = generate(model, [e["chunk"] for e in live], budget, temperature,
-                                          tok.eos_token_id, tok.pad_token_id, state)
+                                          stop, tok.pad_token_id, state)
         for e, t, lp, u in zip(live, new, lps, unfed):
             e["ids"] += t; e["mask"] += [1] * len(t); e["logp"] += lp  # the agent's own tokens, EOS included
             e["chunk"] = t[-1:] if u else []
-            if t[-1] != tok.eos_token_id:  # turn cut at max_new_tokens: close it (not trained on)
+            if t[-1] != tok.eos_token_id:  # turn cut at max_new_tokens, or ended by another stop id: close it (not trained on)
                 e["ids"] += [tok.eos_token_id]; e["mask"] += [0]; e["logp"] += [0.0]; e["chunk"] += [tok.eos_token_id]
             reply = THINK + tok.decode(t, skip_special_tokens=True)
             e["replies"].append(reply)
@@ -462,7 +467,7 @@ def train_locked(cfg, out, quiet):
             ref.load_state_dict(c["ref"])
         print(f"resuming {out} from step {start}")
     # control run (demo c): the regularisers x the kept fraction that another run had at each step
-    reg_scales = runfiles.kept_fractions(cfg.reg_scale_from) if cfg.reg_scale_from else {}
+    reg_scales = runfiles.kept_fractions(cfg.reg_scale_from, cfg.steps) if cfg.reg_scale_from else {}
     if not quiet:
         print("config: " + " ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
     if state["eval0"] is None:  # the warm start's evaluation, map by map: the end compares the same maps

@@ -49,7 +49,7 @@ def flag_problem(cfg):
         return f"--model {cfg.model}: no such folder (give a model folder, a hub id or 'tiny')"
     try:  # the control run's scales: checked now, read when the run starts
         if cfg.reg_scale_from:
-            kept_fractions(cfg.reg_scale_from)
+            kept_fractions(cfg.reg_scale_from, cfg.steps)
     except (OSError, ValueError) as e:
         return f"--reg-scale-from: {e}"
     if cfg.device == "cuda" and not torch.cuda.is_available() or cfg.device == "mps" and not torch.backends.mps.is_available():
@@ -122,13 +122,15 @@ def resume(cfg, out, device):
             os.remove(log)
         return None
     c = torch.load(ckpt, map_location=device, weights_only=False)
-    write_log(log, [r for r in read_log(log) if r["step"] < c["step"]], "w")  # drop rows written after the checkpoint
+    write_log(log + ".tmp", [r for r in read_log(log) if r["step"] < c["step"]], "w")  # drop rows after the checkpoint
+    os.replace(log + ".tmp", log)  # atomic: a kill during the rewrite keeps the old log
     return c
 
 
-def kept_fractions(path):
+def kept_fractions(path, steps=None):
     """{step: kept_frac} from another run's log.jsonl (the demo's control run scales its regularisers by them).
-    A missing file raises OSError and a file that is not such a log ValueError: never a silent scale of 1."""
+    A missing file raises OSError; a file that is not such a log, or one without a row for every step of
+    range(steps), ValueError: never a silent scale of 1."""
     with open(path) as f:
         lines = [l for l in f if l.strip()]
     try:
@@ -138,6 +140,8 @@ def kept_fractions(path):
         scales = {}
     if not scales:
         raise ValueError(f"{path} is not a run's log.jsonl (one JSON row per step, with step and kept_frac)")
+    if steps is not None and not set(range(steps)) <= set(scales):
+        raise ValueError(f"{path} holds the kept fractions of {len(scales)} steps, not of all {steps}: has its run ended?")
     return scales
 
 

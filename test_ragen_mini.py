@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import json
 import math
+import multiprocessing
 import os
 import random
 import re
@@ -626,6 +627,9 @@ def test_kept_fractions_read_a_log_or_refuse_it(tmp_path):
             runfiles.kept_fractions(tmp_path / f"bad{i}")
     with pytest.raises(OSError):
         runfiles.kept_fractions(tmp_path / "missing.jsonl")
+    assert runfiles.kept_fractions(good, steps=2) == {0: 0.25, 1: 1.0}
+    with pytest.raises(ValueError, match="not of all 3: has its run ended"):  # a log cut short: no silent 1 for step 2
+        runfiles.kept_fractions(good, steps=3)
 
 
 def test_sign_test_closed_form():
@@ -826,6 +830,23 @@ def test_tokenizer_handles_any_text(tiny):
     _, _, tok = tiny
     text = "ünïcødé ☃ <think> zzqx 12345 </answer>\x00"
     assert tok.decode(tok(text, add_special_tokens=False).input_ids) == text  # byte-level: nothing is unknown
+
+
+def test_a_turn_also_ends_at_the_models_own_stop_ids(tiny):
+    """A model whose generation config lists more stop ids than the template's EOS (Qwen2.5, Llama 3) ends a turn at
+    any of them; the template's EOS is then appended, untrained, so the conversation stays well formed."""
+    cfg, model, tok = tiny
+    m = copy.deepcopy(model)
+    torch.manual_seed(7)
+    first = rm.rollout(m, tok, cfg, [5], 2, 1.0)[0]
+    start = first["mask"].index(1)
+    other = first["ids"][start]  # the first token the agent sampled, made a stop id below
+    assert other != tok.eos_token_id
+    m.generation_config.eos_token_id = [tok.eos_token_id, other]
+    torch.manual_seed(7)
+    e = rm.rollout(m, tok, cfg, [5], 2, 1.0)[0]
+    assert e["ids"][:start + 2] == first["ids"][:start] + [other, tok.eos_token_id]  # same draw, ended at once
+    assert e["mask"][start:start + 2] == [1, 0] and e["replies"][0] == rm.THINK + tok.decode([other], skip_special_tokens=True)
 
 
 def test_rollout_logprobs_mask_and_kv_cache(tiny):
@@ -1054,9 +1075,38 @@ def test_demo_flags_typed_override_its_setup():
     assert demo.demo_config(plain) == rm.Config(**demo.SETUP, seed=3)
     assert demo.changes(mine) == {"kl_coef": 0.0, "steps": 50} and demo.demo_dir(mine).startswith(os.path.join("runs", "demo-s3-"))
     assert demo.demo_config(mine) == rm.Config(**(demo.SETUP | {"kl_coef": 0.0, "steps": 50}), seed=3)
-    for args, message in [(["--filter", "snr"], "sets --filter"), (["--steps", "0"], "--steps >= 1")]:
+    for args, message in [(["--filter", "snr"], "sets --filter"), (["--steps", "0"], "--steps >= 1"), (["--groups", "2"], "--groups >= 3")]:
         with pytest.raises(SystemExit, match=message):
             demo.demo_config(rm.parse_args(["--demo", *args]))
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the run-folder lock uses POSIX flock")
+def test_demo_stops_at_once_when_a_run_fails_and_never_starts_the_control(tmp_path):
+    """(b) cannot start (its folder is held, as by a second copy of the demo): the demo says so in one line at once,
+    stops (a), and never starts (c), which would scale its regularisers by a log that is not (b)'s whole run."""
+    import demo, fcntl
+    base = rm.parse_args(SMALL + ["--steps", "50", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache")])
+    rm.load_policy(base, torch.device("cpu"))  # the warm start, built once here as demo.main does before its runs
+    a, b, c = (dataclasses.replace(base, name=n, filter=f) for n, f in (("a", "none"), ("b", "snr"), ("c", "none")))
+    c = dataclasses.replace(c, reg_scale_from=str(tmp_path / "b" / "log.jsonl"))
+    os.makedirs(tmp_path / "b")
+    t0 = time.time()
+    with open(tmp_path / "b" / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(RuntimeError, match="run b: OSError: .* is in use by another run"):
+            demo.run_all(a, b, c, parallel=True)
+    assert time.time() - t0 < 60 and not (tmp_path / "c").exists()  # (a)'s 50 steps were not waited for
+    assert len(runfiles.read_log(str(tmp_path / "a" / "log.jsonl"))) < 50  # (a) was stopped
+
+
+def test_demo_worker_that_dies_is_reported_not_waited_for(tmp_path):
+    """A worker killed from outside (out of memory, SIGKILL) ends the wait with a message, not a demo that hangs."""
+    import demo, signal as sig
+    cfg = rm.parse_args(SMALL + ["--steps", "50", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--name", "k"])
+    arm = demo.Arm(multiprocessing.get_context("spawn"), cfg, 1)
+    os.kill(arm.proc.pid, sig.SIGKILL)
+    with pytest.raises(RuntimeError, match="run k: its process died"):
+        demo.wait_for([arm], [arm], [cfg], every=1)
 
 
 @pytest.mark.parametrize("threads", [2, 1])  # 2: (a) and (b) in worker processes, as on this CPU; 1: in turn, in-process

@@ -42,7 +42,7 @@ def tiny_policy(cfg, device):
     from transformers.utils import logging as hf_logging
     key = {k: getattr(cfg, k) for k in ("env", "max_turns", "tiny_dim", "tiny_layers", "warmup_steps", "warmup_lr")}
     key |= {"version": 4, "env_args": json.dumps({k: v for k, v in json.loads(cfg.env_args).items()
-                                                  if k != "format_penalty"})}  # rewards do not change expert data
+                                                  if k != "format_penalty"}, sort_keys=True)}  # rewards do not change expert data
     # one warm start, shared by every RL --seed
     path = os.path.join(os.path.expanduser(cfg.cache_dir),
                         "tiny-" + hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10])
@@ -97,7 +97,7 @@ def warm_start(cfg, path, device):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1, (i + 1) / 50) * (0.55 + 0.45 * math.cos(math.pi * i / max(cfg.warmup_steps, 1))))
     ckpt, start = os.path.join(path, "warm_start.pt"), 0
     if os.path.exists(ckpt):  # an interrupted build: continue from its last checkpoint
-        c = torch.load(ckpt, weights_only=False)
+        c = torch.load(ckpt, map_location="cpu", weights_only=False)  # load_state_dict moves it to the model's device
         model.load_state_dict(c["model"]); opt.load_state_dict(c["opt"]); sched.load_state_dict(c["sched"])
         start = c["step"]
         print(f"warm start: resuming from step {start} ({ckpt})")
