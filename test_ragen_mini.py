@@ -237,7 +237,7 @@ def test_frozenlake_generic_think_changes_only_the_reasoning():
     ("frozenlake-mixed", {"unsolvable_frac": 1.5}, "unsolvable_frac is a probability"),
     ("frozenlake", {"slip": float("nan")}, "slip is a probability"), ("frozenlake", {"size": 1}, "size must be an integer >= 2"),
     ("frozenlake", {"size": 4.5}, "size must be an integer"), ("sokoban", {"size": 3}, "size must be an integer >= 4"),
-    ("sokoban", {"inner_walls": 99}, "inner_walls must be in [0, 13]"), ("webshop", {"n_items": 0}, "n_items must be"),
+    ("sokoban", {"inner_walls": 99}, "inner_walls must be in [0, 13]"), ("webshop", {"n_items": 0}, "n_items must be"), ("webshop", {"n_items": 61}, "in [1, 60]"),
     ("code", {"n_tests": 0}, "n_tests must be")])
 def test_env_arguments_out_of_range_fail_at_once_with_their_name(name, kwargs, message):
     """Each constructor checks its arguments (slip 2 used to run, and n_items 0 was a KeyError at the first reset)."""
