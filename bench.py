@@ -66,6 +66,7 @@ def turns_of(e):
     return out
 
 
+@rm.amp  # in bf16 on a GPU, as the loop's own generation runs
 @torch.no_grad()
 def hf_generate_time(model, tok, eps):
     """Pure generation cost: `model.generate` per turn, same contexts and same number of new tokens."""
@@ -85,6 +86,7 @@ def hf_generate_time(model, tok, eps):
     return total
 
 
+@rm.amp  # in bf16 on a GPU, as the loop's own update runs
 def plain_step_time(model, seqs, epochs=1):
     """Pure training cost: `epochs` forward+backward+AdamW steps over the same padded batch (next-token loss)."""
     model = copy.deepcopy(model).train()
@@ -138,10 +140,9 @@ def main(cfg, iters=4):
             sync(); times[mode] = time.perf_counter() - t2
         t_update = times["none" if cfg.filter == "none" else "snr"]
         t_iter = t_roll + t_diag + t_update
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type in rm.AMP_DEVICES):  # as the loop runs
-            t_gen = hf_generate_time(model, tok, eps)
-            t_plain = plain_step_time(model, seqs if cfg.filter == "none" else [seqs[g * G + i] for g in kept for i in range(G)] or seqs[:1],
-                                      cfg.ppo_epochs)
+        t_gen = hf_generate_time(model, tok, eps)
+        t_plain = plain_step_time(model, seqs if cfg.filter == "none" else [seqs[g * G + i] for g in kept for i in range(G)] or seqs[:1],
+                                  cfg.ppo_epochs)
         c = clock.t
         row = dict(rollout=t_roll, prefill=c["prefill"], decode=c["decode"], env=c["env"], diag=t_diag, update=t_update,
                    update_none=times["none"], update_snr=times["snr"], kept=len(kept) / P, iter=t_iter,

@@ -331,13 +331,19 @@ def agent_logits(model, ids, sel):
     return model.get_output_embeddings()(model.base_model(input_ids=ids).last_hidden_state[sel])
 
 
+def agent_logprobs(model, ids, sel, temperature):
+    """log pi [K, V] at the sampling temperature, at the K positions where sel [B, T-1] is True: position t of
+    right-padded ids [B, T] predicts token t+1. The loss, the reference model and pi_old all score tokens this way."""
+    return F.log_softmax(agent_logits(model, ids[:, :-1], sel).float() / max(temperature, 1e-5), -1)
+
+
 def loss_terms(model, ref, batch, adv, cfg):
     """Token-mean terms of the GRPO objective over the agent tokens of a (micro-)batch (README step 6).
     batch: ids/attn/mask/old_logp [B, T] (attn unused: right padding); adv [B]. -> dict(pg, entropy, kl, ntok)."""
     ids, _, mask, old = batch
     sel = mask[:, 1:].bool()  # [B, T-1]: position t predicts token t+1, an agent token
-    tgt, n, temp = ids[:, 1:][sel], sel.sum().clamp(min=1), max(cfg.temperature, 1e-5)  # tgt [K]: the agent's tokens
-    logp_all = F.log_softmax(agent_logits(model, ids[:, :-1], sel).float() / temp, -1)  # [K, V]
+    tgt, n = ids[:, 1:][sel], sel.sum().clamp(min=1)  # tgt [K]: the agent's tokens
+    logp_all = agent_logprobs(model, ids, sel, cfg.temperature)  # [K, V]
     logp = logp_all.gather(-1, tgt[:, None])[:, 0]  # [K] log pi(token)
     ratio = torch.exp(logp - old[:, 1:][sel])  # [K] pi / pi_old
     A = adv[:, None].expand_as(sel)[sel]  # [K] one advantage for every token of the trajectory
@@ -346,7 +352,7 @@ def loss_terms(model, ref, batch, adv, cfg):
     kl = torch.zeros_like(logp)
     if ref is not None:  # k3 estimator of KL(pi || pi_ref): exp(d) - d - 1, d = log pi_ref - log pi
         with torch.no_grad():
-            ref_logp = F.log_softmax(agent_logits(ref, ids[:, :-1], sel).float() / temp, -1).gather(-1, tgt[:, None])[:, 0]
+            ref_logp = agent_logprobs(ref, ids, sel, cfg.temperature).gather(-1, tgt[:, None])[:, 0]
         d = ref_logp - logp
         kl = torch.exp(d) - d - 1
     return dict(pg=pg.sum() / n, entropy=entropy.sum() / n, kl=kl.sum() / n, ntok=n)
@@ -361,8 +367,7 @@ def training_logprobs(model, seqs, order, cfg):
         idx = order[i:i + cfg.micro_batch]
         ids, _, mask = pad_right([seqs[j][:2] for j in idx], 0, model.device)
         sel, old = mask[:, 1:].bool(), torch.zeros_like(mask)
-        logp = F.log_softmax(agent_logits(model, ids[:, :-1], sel).float() / max(cfg.temperature, 1e-5), -1)
-        old[:, 1:][sel] = logp.gather(-1, ids[:, 1:][sel][:, None])[:, 0]
+        old[:, 1:][sel] = agent_logprobs(model, ids, sel, cfg.temperature).gather(-1, ids[:, 1:][sel][:, None])[:, 0]
         for k, j in enumerate(idx):
             out[j] = tuple(seqs[j][:2]) + (old[k, :len(seqs[j][0])].tolist(),)
     return out
