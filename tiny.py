@@ -107,8 +107,8 @@ def warm_start(cfg, path, device):
         n = sum(sum(m) for _, m in batch)  # agent tokens in the step: the loss is their mean
         opt.zero_grad()
         for j in range(0, len(batch), 8):
-            ids, attn, mask = rm.pad_right(batch[j:j + 8], tok.pad_token_id, device)
-            hidden = model.model(input_ids=ids, attention_mask=attn).last_hidden_state[:, :-1]  # [8, T-1, d]
+            ids, _, mask = rm.pad_right(batch[j:j + 8], tok.pad_token_id, device)  # right padding: causal attention
+            hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]  # [8, T-1, d] keeps it out, no mask needed
             agent = mask[:, 1:].bool()  # predict token t+1 from position t, on the agent's tokens only (19%)
             nll = F.cross_entropy(model.lm_head(hidden[agent]).float(), ids[:, 1:][agent], reduction="sum")
             (nll / n).backward()  # the LM head runs on the agent's positions alone
