@@ -3,9 +3,10 @@ checks of those settings that the command line makes before any work starts.
 
 Plumbing for the loop in ragen_mini.py, kept apart so that file reads as the algorithm. A run is the folder
 OUT/<name>/ holding config.json (its settings), log.jsonl (one JSON row per step), ckpt.pt (weights, optimizer,
-step and running statistics, every --save-every steps) and lock (held while a process writes the folder).
+step and running statistics, every --save-every steps), model/ (the final policy as a Hugging Face folder, written
+at the end: `--model OUT/<name>/model` or `from_pretrained` loads it) and lock (held while a process writes the folder).
 """
-import contextlib, dataclasses, hashlib, json, math, os
+import contextlib, dataclasses, hashlib, json, math, os, shutil
 from dataclasses import asdict
 
 import torch
@@ -148,3 +149,13 @@ def kept_fractions(path, steps=None):
 def save_ckpt(path, **state):
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)  # atomic: an interrupted save never corrupts the last checkpoint
+
+
+def export(model, tok, path):
+    """The policy and its tokenizer as a Hugging Face folder at path, replaced whole (never half written: train()
+    exports again when a rerun finds no folder)."""
+    shutil.rmtree(path + ".tmp", ignore_errors=True)
+    model.save_pretrained(path + ".tmp")
+    tok.save_pretrained(path + ".tmp")
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(path + ".tmp", path)

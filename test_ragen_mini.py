@@ -1065,6 +1065,29 @@ def test_cli_end_to_end_and_resume(tmp_path):
     assert json.load(open(tmp_path / run / "config.json"))["lr"] != 1e-3
 
 
+def test_run_exports_its_final_policy_and_it_loads_back_as_a_model(tmp_path):
+    """A run ends by writing its policy as a Hugging Face folder: `--model <run>/model` loads it through the
+    real-model path (AutoTokenizer, chat template, stop ids) and it plays the held-out maps exactly as the trained
+    model does; a rerun of the finished run leaves it alone, a run extended by --steps replaces it."""
+    args = SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache")]
+    summary, model, tok = rm.train(rm.parse_args(args), quiet=True)
+    path = os.path.join(summary["out"], "model")
+    back = rm.parse_args(args + ["--model", path])  # the folder exists: the flag check lets it through
+    model2, tok2 = rm.load_policy(back, torch.device("cpu"))
+    assert not os.path.exists(path + ".tmp") and tok2.chat_template == tok.chat_template
+    assert {k: v for k, v in model.named_parameters()}.keys() == {k: v for k, v in model2.named_parameters()}.keys()
+    assert all(torch.equal(p, model2.get_parameter(k)) for k, p in model.named_parameters())
+    maps = rm.evaluate(model, tok, rm.parse_args(args))
+    assert rm.evaluate(model2, tok2, back) == maps and sum(maps) / len(maps) == summary["eval_final"]
+    stamp = os.path.getmtime(os.path.join(path, "model.safetensors"))
+    rm.train(rm.parse_args(args), quiet=True)  # finished: resumes at its end, writes nothing new
+    assert os.path.getmtime(os.path.join(path, "model.safetensors")) == stamp
+    _, longer, _ = rm.train(rm.parse_args(args[2:] + ["--steps", "3"]), quiet=True)
+    model3, _ = rm.load_policy(rm.parse_args(args + ["--model", path]), torch.device("cpu"))
+    assert all(torch.equal(p, model3.get_parameter(k)) for k, p in longer.named_parameters())
+    assert not all(torch.equal(p, model3.get_parameter(k)) for k, p in model.named_parameters())
+
+
 def test_demo_flags_typed_override_its_setup():
     """`--demo --kl-coef 0 --steps 50` runs the demo with those two changed (a fork's experiment is one flag away),
     in its own folder; flags left alone, or typed with the set-up's own value, give the README's demo and folder."""
