@@ -151,7 +151,7 @@ def plot(runs, path, eval_start=None):
 
 
 def train_arm(cfg, threads, conn):
-    """One run of the demo in a worker process: `threads` torch threads; quiet but for the collapse alarm.
+    """One run of the demo in a worker process: `threads` torch threads; quiet but for the collapse alarm and notes.
     Sends ("ok", summary) or ("error", message) back through conn."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C is the parent's: it stops the workers, whose checkpoints stay
     torch.set_num_threads(threads)

@@ -535,7 +535,7 @@ def train_locked(cfg, out, quiet):
             runfiles.save_ckpt(ckpt, model=model.state_dict(), opt=opt.state_dict(), ema=ema.state_dict(), step=step + 1,
                       state=state, ref=ref.state_dict() if ref is not None else None)
     policy = os.path.join(out, "model")  # the trained policy as a Hugging Face folder: --model OUT/<name>/model
-    if start < cfg.steps or not os.path.isdir(policy):
+    if cfg.steps and (start < cfg.steps or not os.path.isdir(policy)):  # (resume removed a shorter run's folder)
         problem = runfiles.export(model, tok, policy)
         if problem:
             print(f"note: {problem}: no {policy} folder; the trained weights are in {ckpt}")
@@ -548,7 +548,7 @@ def train_locked(cfg, out, quiet):
                    gained=gained, lost=lost, p_sign=metrics.sign_test(gained, lost))
     if not quiet:
         paired = f" (of the same {len(pairs)} maps, {gained} newly solved and {lost} newly failed: sign test p = {summary['p_sign']:.2g})"
-        print(f"done: eval success {summary['eval_start']:.3f} ({'warm ' * (cfg.model == 'tiny')}start) -> {final:.3f} after {cfg.steps} steps"
+        print(f"done: eval success {summary['eval_start']:.3f} ({'warm ' * (cfg.model == 'tiny')}start) -> {final:.3f} after {summary['steps']} steps"
               f"{paired * bool(pairs)}; {summary['skipped']} skipped updates; {summary['sec']:.0f}s; logs in {out}/log.jsonl"
               f"{', the policy in ' + policy if os.path.isdir(policy) else ''}")
     return summary, model, tok

@@ -46,7 +46,8 @@ def flag_problem(cfg):
             bad.setdefault(f, f"--{f.replace('_', '-')} must be {need}")
     if bad:
         return ", ".join(bad.values())
-    if cfg.model.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)):
+    local = cfg.model.startswith(("/", ".", "~")) or cfg.model.count("/") > 1  # a hub id is "name" or "org/name"
+    if local and not os.path.isdir(os.path.expanduser(cfg.model)):
         return f"--model {cfg.model}: no such folder (give a model folder, a hub id or 'tiny')"
     try:  # the control run's scales: checked now, read when the run starts
         if cfg.reg_scale_from:
@@ -121,8 +122,11 @@ def resume(cfg, out, device):
     if not os.path.exists(ckpt):
         if os.path.exists(log):
             os.remove(log)
+        shutil.rmtree(os.path.join(out, "model"), ignore_errors=True)
         return None
     c = torch.load(ckpt, map_location=device, weights_only=False)
+    if c["step"] < cfg.steps:  # the policy a shorter run exported: gone now, so it can never pass for this run's
+        shutil.rmtree(os.path.join(out, "model"), ignore_errors=True)
     write_log(log + ".tmp", [r for r in read_log(log) if r["step"] < c["step"]], "w")  # drop rows after the checkpoint
     os.replace(log + ".tmp", log)  # atomic: a kill during the rewrite keeps the old log
     return c
@@ -152,13 +156,15 @@ def save_ckpt(path, **state):
 
 
 def export(model, tok, path):
-    """The policy and its tokenizer as a Hugging Face folder at path, replaced whole (never half written: train()
-    exports again when a rerun finds no folder). -> None, or why this model cannot be saved so (a GGUF load)."""
+    """The policy and its tokenizer as a Hugging Face folder at path, moved in whole (resume() removed any older
+    one, so a cut export leaves none, and train() exports again). -> None, or why this model cannot be saved so."""
     shutil.rmtree(path + ".tmp", ignore_errors=True)
     try:
         model.save_pretrained(path + ".tmp")
     except ValueError as e:  # transformers: "The model is quantized with gguf and is not serializable - ..."
         shutil.rmtree(path + ".tmp", ignore_errors=True)
+        if "not serializable" not in str(e):
+            raise
         return str(e).split(" - ")[0]
     tok.save_pretrained(path + ".tmp")
     shutil.rmtree(path, ignore_errors=True)

@@ -1076,11 +1076,13 @@ def test_diagnostics_score_each_reasoning_against_each_groups_first_prompt(tiny,
     cfg, model, tok = tiny
     P, G, seen = 3, 2, {}
     eps = [dict(first_prompt=[10 + g], first_think=f"P {g} {i}") for g in range(P) for i in range(G)]
+    class Seen(Exception):
+        pass
     def cross_score(model, prompts, reasons, pad, matched):
         seen.update(prompts=prompts, reasons=reasons, matched=matched)
-        raise StopIteration  # the arguments are what this test is about
+        raise Seen  # the arguments are what this test is about
     monkeypatch.setattr(rm.metrics, "cross_score", cross_score)
-    with pytest.raises(StopIteration):
+    with pytest.raises(Seen):
         rm.diagnostics(model, tok, eps, G, ZScoreEMA())
     assert seen["prompts"] == [[10], [11], [12]] and seen["matched"] == [0, 0, 1, 1, 2, 2]
     assert seen["reasons"] == [tok(e["first_think"], add_special_tokens=False).input_ids for e in eps]
@@ -1111,7 +1113,7 @@ def test_the_loop_trains_on_the_kept_groups_with_the_controls_scales(tmp_path, m
         kept = eps[4:8] + eps[12:16]  # groups 1 and 3 of 4, G = 4
         assert [s[0] for s in seqs] == [e["ids"] for e in kept] and [s[1] for s in seqs] == [e["mask"] for e in kept]
         R = torch.tensor([e["ret"] for e in eps]).view(4, 4)
-        assert torch.equal(adv, rm.advantages(R[[1, 3]]).flatten())
+        assert torch.equal(adv, rm.advantages(R[[1, 3]], cfg.adv).flatten())
 
 
 def test_a_resumed_run_continues_exactly(tmp_path):
@@ -1161,6 +1163,7 @@ def test_resume_drops_the_log_rows_after_its_checkpoint(tmp_path):
     (dict(grad_clip=0.0), "--grad-clip must be > 0"), (dict(filter_p=0.0), "--filter-p must be > 0"),
     (dict(filter_k=1.5), "--filter-k must be in (0, 1]"), (dict(group_size=1), "--group-size must be >= 2"),
     (dict(lr=float("nan")), "--lr must be a finite number"), (dict(tiny_dim=100), "--tiny-dim must be a positive multiple of 8"),
+    (dict(model="runs/nope/model"), "--model runs/nope/model: no such folder"),  # a relative path, not a hub id
 ])
 def test_flag_rules(change, message):
     assert runfiles.flag_problem(rm.Config()) is None
@@ -1214,7 +1217,8 @@ def test_cli_end_to_end_and_resume(tmp_path):
 def test_run_exports_its_final_policy_and_it_loads_back_as_a_model(tmp_path):
     """A run ends by writing its policy as a Hugging Face folder: `--model <run>/model` loads it through the
     real-model path (AutoTokenizer, chat template, stop ids) and it plays the held-out maps exactly as the trained
-    model does; a rerun of the finished run leaves it alone, a run extended by --steps replaces it."""
+    model does. A rerun of the finished run leaves it alone; a run extended by --steps replaces it, and one cut
+    during that export leaves no folder rather than the shorter run's (its rerun exports the longer run's)."""
     args = SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache")]
     summary, model, tok = rm.train(rm.parse_args(args), quiet=True)
     path = os.path.join(summary["out"], "model")
@@ -1225,10 +1229,19 @@ def test_run_exports_its_final_policy_and_it_loads_back_as_a_model(tmp_path):
     assert all(torch.equal(p, model2.get_parameter(k)) for k, p in model.named_parameters())
     maps = rm.evaluate(model, tok, rm.parse_args(args))
     assert rm.evaluate(model2, tok2, back) == maps and sum(maps) / len(maps) == summary["eval_final"]
-    stamp = os.path.getmtime(os.path.join(path, "model.safetensors"))
+    stamp = os.stat(path).st_ino  # an export moves a new folder in
     rm.train(rm.parse_args(args), quiet=True)  # finished: resumes at its end, writes nothing new
-    assert os.path.getmtime(os.path.join(path, "model.safetensors")) == stamp
-    _, longer, _ = rm.train(rm.parse_args(args[2:] + ["--steps", "3"]), quiet=True)
+    assert os.stat(path).st_ino == stamp
+    def cut(*a):
+        raise KeyboardInterrupt  # ^C during the export of a longer run
+    real, runfiles.export = runfiles.export, cut
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            rm.train(rm.parse_args(args + ["--steps", "3"]), quiet=True)
+    finally:
+        runfiles.export = real
+    assert not os.path.exists(path)  # the 2-step policy is gone: it can never pass for the 3-step run's
+    _, longer, _ = rm.train(rm.parse_args(args + ["--steps", "3"]), quiet=True)  # rerun: finished, exports it now
     model3, _ = rm.load_policy(rm.parse_args(args + ["--model", path]), torch.device("cpu"))
     assert all(torch.equal(p, model3.get_parameter(k)) for k, p in longer.named_parameters())
     assert not all(torch.equal(p, model3.get_parameter(k)) for k, p in model.named_parameters())
