@@ -251,6 +251,12 @@ def generate(model, chunks, max_new, temperature, stop, pad_id, state=None):
     return [t[:n] for t, n in zip(toks, lens)], [lp[:n] for lp, n in zip(lps, lens)], (out.past_key_values, attn, pos), unfed
 
 
+def stop_ids(model, tok):
+    """The ids that end an agent turn: the template's EOS and the model's own generation-config stop ids, if any."""
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return sorted({tok.eos_token_id} | set([extra] if isinstance(extra, int) else extra or []))
+
+
 def rollout(model, tok, cfg, seeds, group_size, temperature):
     """Play len(seeds) * group_size episodes, all G of a group from the same env seed, turn by turn.
     Returns per-episode dicts: tokens, agent mask (from roles), sampler log-probs, return, success, texts."""
@@ -263,8 +269,7 @@ def rollout(model, tok, cfg, seeds, group_size, temperature):
                             fmt_errors=0, turns=0, first_prompt=None, first_think=None, replies=[], chunk=[]))
     chat, turns = Chat(tok, eps[0]["env"].instruction), cfg.max_turns or eps[0]["env"].max_turns
     budget = cfg.max_new_tokens or eps[0]["env"].reply_tokens  # tokens per agent turn
-    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)  # the model's own stop ids, if any
-    stop = sorted({tok.eos_token_id} | set([extra] if isinstance(extra, int) else extra or []))
+    stop = stop_ids(model, tok)
     live, state = eps, None
     for turn in range(1, turns + 1):
         for e in live:  # the environment's message opens the turn (env tokens: not trained on)
@@ -535,7 +540,7 @@ def train_locked(cfg, out, quiet):
             runfiles.save_ckpt(ckpt, model=model.state_dict(), opt=opt.state_dict(), ema=ema.state_dict(), step=step + 1,
                       state=state, ref=ref.state_dict() if ref is not None else None)
     policy = os.path.join(out, "model")  # the trained policy as a Hugging Face folder: --model OUT/<name>/model
-    if cfg.steps and (start < cfg.steps or not os.path.isdir(policy)):  # (resume removed a shorter run's folder)
+    if cfg.steps and not os.path.isdir(policy):  # resume() removed it if this run trained: a finished run keeps it
         problem = runfiles.export(model, tok, policy)
         if problem:
             print(f"note: {problem}: no {policy} folder; the trained weights are in {ckpt}")

@@ -119,14 +119,13 @@ def resume(cfg, out, device):
                                   "remove that folder to start over, or pass another --name or --out")
     with open(cfg_path, "w") as f:
         json.dump(asdict(cfg), f, indent=1)
-    if not os.path.exists(ckpt):
+    c = torch.load(ckpt, map_location=device, weights_only=False) if os.path.exists(ckpt) else None
+    if c is None or c["step"] < cfg.steps:  # a run that will train: the policy a shorter run exported goes now, so
+        shutil.rmtree(os.path.join(out, "model"), ignore_errors=True)  # it can never pass for this run's
+    if c is None:
         if os.path.exists(log):
             os.remove(log)
-        shutil.rmtree(os.path.join(out, "model"), ignore_errors=True)
         return None
-    c = torch.load(ckpt, map_location=device, weights_only=False)
-    if c["step"] < cfg.steps:  # the policy a shorter run exported: gone now, so it can never pass for this run's
-        shutil.rmtree(os.path.join(out, "model"), ignore_errors=True)
     write_log(log + ".tmp", [r for r in read_log(log) if r["step"] < c["step"]], "w")  # drop rows after the checkpoint
     os.replace(log + ".tmp", log)  # atomic: a kill during the rewrite keeps the old log
     return c

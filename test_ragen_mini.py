@@ -1529,9 +1529,8 @@ def test_real_model_smollm2_one_step(tmp_path, capsys):
     for e in eps:  # mask = exactly the generated reply tokens (+ EOS) of each turn, on a real BPE tokenizer
         runs = [tok.decode(t, skip_special_tokens=True) for t in split_runs(e)]
         assert runs == [r[len(rm.THINK):] for r in e["replies"]]
-        extra = model.generation_config.eos_token_id  # the model's own stop ids, as rollout reads them
-        stops = {tok.eos_token_id} | set([extra] if isinstance(extra, int) else extra or [])
-        assert all(t[-1] in stops or len(t) == 16 for t in split_runs(e))  # the stop token is the agent's, trained on
+        stops = rm.stop_ids(model, tok)  # the template's EOS and the model's own stop ids
+        assert tok.eos_token_id in stops and all(t[-1] in stops or len(t) == 16 for t in split_runs(e))  # the stop token is the agent's, trained on
         assert envs.parse_reply(e["replies"][0]) is not None  # parsing never raises on real model text
     summary, _, _ = rm.train(cfg, quiet=True)
     assert summary["steps"] == 1
