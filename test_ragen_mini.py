@@ -1164,6 +1164,7 @@ def test_resume_drops_the_log_rows_after_its_checkpoint(tmp_path):
     (dict(filter_k=1.5), "--filter-k must be in (0, 1]"), (dict(group_size=1), "--group-size must be >= 2"),
     (dict(lr=float("nan")), "--lr must be a finite number"), (dict(tiny_dim=100), "--tiny-dim must be a positive multiple of 8"),
     (dict(model="runs/nope/model"), "--model runs/nope/model: no such folder"),  # a relative path, not a hub id
+    (dict(name="../elsewhere"), "--name must be one folder name"), (dict(name=".."), "--name must be one folder name"),
 ])
 def test_flag_rules(change, message):
     assert runfiles.flag_problem(rm.Config()) is None
