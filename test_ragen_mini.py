@@ -1116,6 +1116,30 @@ def test_the_loop_trains_on_the_kept_groups_with_the_controls_scales(tmp_path, m
         assert torch.equal(adv, rm.advantages(R[[1, 3]], cfg.adv).flatten())
 
 
+def test_reg_only_trains_on_the_regularisers_alone(tmp_path, monkeypatch):
+    """--reg-only (the demo's ablation): the loop hands update() advantages of exactly 0, so the PPO term is 0 and
+    the loss is the regularisers' alone, while the optimizer still steps (the weights move)."""
+    cfg = rm.parse_args(SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--steps", "1",
+                                 "--reg-only", "--entropy-coeff", "0.05", "--filter", "none"])
+    calls, real_update, real_rollout = [], rm.update, rm.rollout
+    def rollout(*a):  # returns that spread in every group: without --reg-only the advantages would be +-0.93
+        eps = real_rollout(*a)
+        for i, e in enumerate(eps):
+            e["ret"] = float(i % 2)
+        return eps
+    def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
+        before = [p.detach().clone() for p in model.parameters()]
+        stats = real_update(model, ref, opt, seqs, adv, cfg, reg_scale)
+        calls.append((adv, stats, any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))))
+        return stats
+    monkeypatch.setattr(rm, "update", update)
+    monkeypatch.setattr(rm, "rollout", rollout)
+    rm.train(cfg, quiet=True)
+    (adv, stats, moved), = calls
+    assert adv.shape == (16,) and torch.all(adv == 0) and stats["pg"] == 0 and moved
+    assert stats["loss"] == pytest.approx(-0.05 * stats["entropy"]) and stats["entropy"] > 0
+
+
 def test_a_resumed_run_continues_exactly(tmp_path):
     """Two steps in one go, or one step and then a rerun with --steps 2: the same second step (its log row,
     timing aside) and the same final weights, bit for bit (every step is seeded; the checkpoint holds the rest)."""
