@@ -62,14 +62,14 @@ class Config:
     entropy_coeff: float = 0.001  # entropy bonus on agent tokens (ref: entropy_coeff)
     kl_coef: float = 0.0  # k3 KL to the frozen start model; 0 keeps no reference model (ref: kl_loss_coef; TRL: beta)
     ppo_epochs: int = 1  # optimizer steps per batch
-    micro_batch: int = 8  # sequences per forward/backward, sorted by length (gradient accumulation; fastest on a CPU, raise it on a GPU)
+    micro_batch: int = 8  # sequences per forward/backward, sorted by length (gradient accumulation; raise it on a GPU) (ref: ppo_micro_batch_size_per_gpu)
     grad_clip: float = 1.0  # max global grad norm
     reg_only: bool = False  # ablation: zero all task advantages, leaving only the regularisers
     reg_scale_from: str = ""  # control run: multiply regulariser coefficients by 'kept_frac' per step from this JSONL
     # --- SNR filter ---
-    filter: str = "none"  # none | snr (top-p on reward spread) | topk (fixed fraction) (ref: rollout_filter_strategy)
+    filter: str = "none"  # none | snr (top-p on reward spread) | topk (top fraction by spread); both drop zero-spread groups (ref: rollout_filter_strategy)
     filter_p: float = 0.9  # snr: keep the top groups holding this share of total spread (ref: rollout_filter_value)
-    filter_k: float = 0.25  # topk: fraction of groups kept
+    filter_k: float = 0.25  # topk: fraction of groups kept (ref: rollout_filter_value)
     filter_score: str = "std"  # group score: std (reference code) or var (ref: rollout_filter_metric)
     include_zero: bool = False  # keep zero-spread groups too (ref: rollout_filter_include_zero)
     # --- diagnostics, evaluation, runs ---
@@ -81,7 +81,7 @@ class Config:
     save_every: int = 10  # checkpoint every n steps; rerunning the same command resumes
     seed: int = 0  # seed for env sampling and torch (the tiny warm start is shared by all seeds)
     out: str = "runs"  # runs are written to OUT/<name>
-    name: str = ""  # run name; default from env, filter, seed and a hash of the config
+    name: str = ""  # run name, one folder under --out; default from env, filter, seed and a hash of the config
     device: str = "auto"  # auto | cpu | cuda | mps
     demo: bool = False  # run the template-collapse demo (demo.py) instead of one training run
     bench: bool = False  # run the speed benchmark (bench.py) instead of training
