@@ -284,7 +284,8 @@ def main(cfg):
                          f"{rm.metrics.sign_test(won, lost):.2g}")
     norms, se, paired, n = bucket_norms(runs["(a) no filter"])
     lines += [f"\ngradient norms by reward-variance bucket, run (a), mean +- standard error over the {n} logged steps whose top bucket "
-              "has reward spread; max/min of the means, and paired (buckets compared within each step, see demo.bucket_norms):"]
+              "has reward spread; max/min of the means, and paired (buckets compared within each step, see demo.bucket_norms)"
+              + ("; task: the norm the rewards' advantages would give, which --reg-only zeroes in the update" if base.reg_only else "") + ":"]
     lines += [f"  {name:8s} " + "  ".join(f"b{b}={v:.4f}+-{e:.4f}" for b, (v, e) in enumerate(zip(vals, se[name])))
               + (f"  max/min {max(vals) / min(vals):.2f}x" if min(vals) > 0 else "")
               + (f"  paired {paired[name]:.2f}x" if paired[name] else "") for name, vals in norms.items()]

@@ -428,7 +428,8 @@ def diagnostics(model, tok, eps, G, ema):
 @amp
 def grad_norms_by_bucket(model, ref, seqs, returns, cfg, n_buckets=3):
     """The paper's SNR mechanism, measured: bucket groups by reward variance and take the norm of the task,
-    entropy-bonus and KL gradients separately (separate backward passes, no optimizer step)."""
+    entropy-bonus and KL gradients separately (separate backward passes, no optimizer step). The task term uses the
+    rewards' advantages even under --reg-only, which zeroes them in the update: it shows the signal the ablation drops."""
     P, G = returns.shape
     out, params = {}, [p for p in model.parameters() if p.requires_grad]
     adv = advantages(returns, cfg.adv).flatten()
