@@ -192,10 +192,11 @@ def wait_for(arms, running, cfgs, every=30):
     """Block until `arms` have ended, printing one status line from the runs' logs every `every` seconds. A run of
     `running` that fails raises at once, rather than after the others have run for minutes."""
     while True:
+        ready = {id(r): r.ready() for r in arms + running}  # one reading: an arm that ends between two would slip by
         for r in running:
-            if r.ready():
+            if ready[id(r)]:
                 r.result()  # raises if the run failed or its process died
-        if all(r.ready() for r in arms):
+        if all(ready[id(r)] for r in arms):
             return
         multiprocessing.connection.wait([x for r in arms if not r.ready() for x in (r.conn, r.proc.sentinel)], every)
         parts = []

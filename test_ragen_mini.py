@@ -1316,6 +1316,22 @@ def test_demo_worker_that_dies_is_reported_not_waited_for(tmp_path):
         demo.wait_for([arm], [arm], [cfg], every=1)
 
 
+def test_demo_wait_reads_each_run_once_per_round():
+    """A run that ends between the loop's check of failures and its check of "all done" must still have its failure
+    raised (the race that made the test above flaky: wait_for returned, and (c) could start on a dead (b)'s log)."""
+    import demo
+    class EndsBetweenReadings:
+        calls = 0
+        def ready(self):
+            self.calls += 1
+            return self.calls > 1
+        def result(self):
+            raise RuntimeError("run f: its process died")
+    f = EndsBetweenReadings()
+    with pytest.raises(RuntimeError, match="run f: its process died"):
+        demo.wait_for([f], [f], [], every=0.01)
+
+
 @pytest.mark.parametrize("threads", [2, 1])  # 2: (a) and (b) in worker processes, as on this CPU; 1: in turn, in-process
 def test_demo_code_path_runs_shortened(tmp_path, monkeypatch, capsys, threads):
     """The demo's code path stays alive: three runs of 3 steps on a small batch, then the table, the sample
