@@ -553,7 +553,7 @@ def train_locked(cfg, out, quiet):
                    skipped=sum(r.get("skipped", 0) for r in rows), sec=sum(r["sec"] for r in rows),
                    gained=gained, lost=lost, p_sign=metrics.sign_test(gained, lost))
     if not quiet:
-        paired = f" (of the same {len(pairs)} maps, {gained} newly solved and {lost} newly failed: sign test p = {summary['p_sign']:.2g})"
+        paired = f" (of the same {len(pairs)} held-out tasks, {gained} newly solved and {lost} newly failed: sign test p = {summary['p_sign']:.2g})"
         print(f"done: eval success {summary['eval_start']:.3f} ({'warm ' * (cfg.model == 'tiny')}start) -> {final:.3f} after {summary['steps']} steps"
               f"{paired * bool(pairs)}; {summary['skipped']} skipped updates; {summary['sec']:.0f}s; logs in {out}/log.jsonl"
               f"{', the policy in ' + policy if os.path.isdir(policy) else ''}")
