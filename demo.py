@@ -198,7 +198,7 @@ def wait_for(arms, running, cfgs, every=30):
                 r.result()  # raises if the run failed or its process died
         if all(ready[id(r)] for r in arms):
             return
-        multiprocessing.connection.wait([x for r in arms if not r.ready() for x in (r.conn, r.proc.sentinel)], every)
+        multiprocessing.connection.wait([x for r in arms if not ready[id(r)] for x in (r.conn, r.proc.sentinel)], every)
         parts = []
         for c in cfgs:
             rows = rows_of(runfiles.run_dir(c))  # complete lines only: the run may be writing its next one

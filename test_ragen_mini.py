@@ -1316,20 +1316,39 @@ def test_demo_worker_that_dies_is_reported_not_waited_for(tmp_path):
         demo.wait_for([arm], [arm], [cfg], every=1)
 
 
+class EndsBetweenReadings:
+    """A stand-in for demo.Arm whose run ends right after wait_for's first reading: ready() is False once, then
+    True; its connection and sentinel are already signalled, as an ended process's are."""
+
+    def __init__(self):
+        (self.conn, a), (sentinel, b) = multiprocessing.Pipe(duplex=False), multiprocessing.Pipe(duplex=False)
+        a.send("ended"); b.send("ended")
+        self.calls, self.proc, self._ends = 0, type("Proc", (), {"sentinel": sentinel})(), (a, b)
+
+    def ready(self):
+        self.calls += 1
+        return self.calls > 1
+
+    def result(self):
+        raise RuntimeError("run f: its process died")
+
+
 def test_demo_wait_reads_each_run_once_per_round():
     """A run that ends between the loop's check of failures and its check of "all done" must still have its failure
     raised (the race that made the test above flaky: wait_for returned, and (c) could start on a dead (b)'s log)."""
     import demo
-    class EndsBetweenReadings:
-        calls = 0
-        def ready(self):
-            self.calls += 1
-            return self.calls > 1
-        def result(self):
-            raise RuntimeError("run f: its process died")
     f = EndsBetweenReadings()
     with pytest.raises(RuntimeError, match="run f: its process died"):
         demo.wait_for([f], [f], [], every=0.01)
+
+
+def test_demo_wait_does_not_sleep_when_a_run_ends_after_the_reading():
+    """A run that ends after the round's reading is still waited on (its signalled pipe wakes the wait at once), not
+    dropped from the wait list: an empty list would sleep the whole interval before the next round."""
+    import demo
+    f, t0 = EndsBetweenReadings(), time.time()
+    demo.wait_for([f], [], [], every=5)
+    assert time.time() - t0 < 2
 
 
 @pytest.mark.parametrize("threads", [2, 1])  # 2: (a) and (b) in worker processes, as on this CPU; 1: in turn, in-process
