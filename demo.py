@@ -33,6 +33,10 @@ def demo_config(cfg):
     base = dataclasses.replace(cfg, **{k: v for k, v in SETUP.items() if k not in typed}, demo=False)
     if base.steps < 1 or base.groups < 3:
         sys.exit("error: --demo needs --steps >= 1 and --groups >= 3 (its gradient buckets are three)")
+    problem = runfiles.flag_problem(base)  # the typed flags checked against the demo's own (e.g. another --env)
+    if problem:
+        sys.exit(f"error: --demo with its set-up: {problem}" + (" (that set-up is for frozenlake-mixed: with another "
+                 "--env, give its --env-args too)" if "env" in typed and "env_args" not in typed else ""))
     return base
 
 

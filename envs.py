@@ -12,6 +12,7 @@ on. `ENVS` is the registry and `make_env(name)` builds one by name.
 Pure standard library: no torch, no numpy, no file I/O.
 """
 import ast
+import math
 import operator
 import random
 import re
@@ -161,6 +162,8 @@ class FrozenLake(Env):
         _need(isinstance(size, int) and size >= 2, f"size must be an integer >= 2, got {size!r}")
         for k, v in (("p_hole", p_hole), ("slip", slip), ("unsolvable_frac", unsolvable_frac), ("generic_think", generic_think)):
             _need(0 <= v <= 1, f"{k} is a probability in [0, 1], got {v!r}")
+        _need(not unsolvable_frac or (size >= 3 and p_hole < 1), "unsolvable maps need size >= 3 and p_hole < 1 "
+              f"(P must have a safe cell to move to), got size={size!r} p_hole={p_hole!r}")
 
     def reset(self, seed):
         self.rng = random.Random(seed)  # also draws the slips, so an episode is reproducible
@@ -260,9 +263,12 @@ class Bandit(Env):
         feedback:     Arms: owl (steady) , comet (risky) / You pulled comet: 1.0   (reward 1.0 or 0.0)
     """
     name = "bandit"
-    max_turns = 1
     instruction = ("Pull one arm of a two-armed slot machine: the steady arm always pays 0.1, the risky arm pays "
                    "1.0 with probability 0.25. Answer with the name of the arm.")
+
+    def __init__(self, max_turns=1):
+        self.max_turns = max_turns
+        _need(max_turns == 1, f"bandit is single-turn: max_turns can only be 1, got {max_turns!r}")
 
     def reset(self, seed):
         self.rng = random.Random(seed)
@@ -828,6 +834,8 @@ def make_env(name, format_penalty=None, **kwargs):
     if name not in ENVS:
         raise ValueError(f"unknown env {name!r}; choose from: {', '.join(ENVS)}")
     env = ENVS[name](**kwargs)
+    _need(isinstance(env.max_turns, int) and env.max_turns >= 1, f"max_turns must be an integer >= 1, got {env.max_turns!r}")
     if format_penalty is not None:
         env.format_penalty = float(format_penalty)
+        _need(math.isfinite(env.format_penalty), f"format_penalty must be a finite number, got {format_penalty!r}")
     return env

@@ -39,7 +39,7 @@ class Config:
     # --- task ---
     env: str = "frozenlake"  # environment (envs.ENVS): frozenlake, frozenlake-mixed, bandit, sokoban, countdown, webshop, code
     env_args: str = "{}"  # JSON kwargs for the env constructor, e.g. '{"slip": 0.2}'
-    max_turns: int = 0  # turns per episode (ref: max_turn); 0 = the env's default
+    max_turns: int = 0  # turns per episode, passed to the env (ref: max_turn); 0 = the env's default
     max_actions: int = 2  # actions per turn, separated by '||' (reference code: 2)
     # --- model ---
     model: str = "tiny"  # 'tiny' (embedded Llama, warm-started, cached) or a HF hub id / local path
@@ -111,7 +111,8 @@ def parse_args(argv=None) -> Config:
 
 
 def make_env(cfg):
-    return envs.make_env(cfg.env, **json.loads(cfg.env_args))
+    """--env built with --env-args; --max-turns, when given, is the env's own turn limit (its maps, its `done`)."""
+    return envs.make_env(cfg.env, **json.loads(cfg.env_args), **({"max_turns": cfg.max_turns} if cfg.max_turns else {}))
 
 
 # ----------------------------------------------------------------------------- chat format
@@ -267,7 +268,7 @@ def rollout(model, tok, cfg, seeds, group_size, temperature):
             env.reset(s)
             eps.append(dict(env=env, seed=s, ids=[], mask=[], logp=[], ret=0.0, success=False, done=False,
                             fmt_errors=0, turns=0, first_prompt=None, first_think=None, replies=[], chunk=[]))
-    chat, turns = Chat(tok, eps[0]["env"].instruction), cfg.max_turns or eps[0]["env"].max_turns
+    chat, turns = Chat(tok, eps[0]["env"].instruction), eps[0]["env"].max_turns
     budget = cfg.max_new_tokens or eps[0]["env"].reply_tokens  # tokens per agent turn
     stop = stop_ids(model, tok)
     live, state = eps, None
@@ -386,7 +387,7 @@ def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
     if torch.is_autocast_enabled(dev.type):  # bf16: pi_old from the forward the loss uses (in fp32 the sampler's are equal)
         seqs = training_logprobs(model, seqs, order, cfg)
     stats = dict(loss=0.0, pg=0.0, entropy=0.0, kl=0.0)
-    for _ in range(cfg.ppo_epochs):
+    for epoch in range(cfg.ppo_epochs):
         opt.zero_grad(set_to_none=True)
         for i in range(0, len(seqs), cfg.micro_batch):
             idx = order[i:i + cfg.micro_batch]
@@ -402,7 +403,7 @@ def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         if not (torch.isfinite(gnorm) and math.isfinite(stats["loss"])):  # NaN/inf loss or gradient: no step
             opt.zero_grad(set_to_none=True)
-            return dict(stats, loss=float("nan"))
+            return dict(stats, loss=float("nan"), epochs_stepped=epoch)  # --ppo-epochs > 1: earlier epochs' steps stand
         opt.step()
     return stats
 
@@ -476,7 +477,8 @@ def train_locked(cfg, out, quiet):
         start, state = c["step"], c["state"]
         if ref is not None:
             ref.load_state_dict(c["ref"])
-        print(f"resuming {out} from step {start}")
+        print(f"resuming {out} from step {start}" if start < cfg.steps else f"{out} has run {start} steps"
+              + (f", more than --steps {cfg.steps}: the result of all {start}" if start > cfg.steps else ": its result"))
     # control run (demo c): the regularisers x the kept fraction that another run had at each step
     reg_scales = runfiles.kept_fractions(cfg.reg_scale_from, cfg.steps) if cfg.reg_scale_from else {}
     if not quiet:
@@ -524,9 +526,11 @@ def train_locked(cfg, out, quiet):
             adv = advantages(R[kept], cfg.adv).flatten() * (0.0 if cfg.reg_only else 1.0)
             # 6-7. loss and optimizer step
             stats = update(model, ref, opt, [seqs[g * G + i] for g in kept for i in range(G)], adv.to(device), cfg, reg_scales.get(step, 1.0))
-            log |= stats | ({"skipped": 1} if math.isnan(stats["loss"]) else {})
-            if math.isnan(stats["loss"]):
-                tqdm.write(f"step {step}: non-finite loss or gradient, optimizer step skipped")
+            stepped = stats.pop("epochs_stepped", cfg.ppo_epochs)  # fewer: a non-finite loss or gradient stopped it
+            log |= stats | ({"skipped": 1} if stepped == 0 else {})
+            if stepped < cfg.ppo_epochs:
+                tqdm.write(f"step {step}: non-finite loss or gradient, " + ("optimizer step skipped" if stepped == 0 else
+                           f"its epochs after the first {stepped} of {cfg.ppo_epochs} skipped"))
         # 8. evaluate, log, checkpoint
         if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
             state["maps"] = evaluate(model, tok, cfg)

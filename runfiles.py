@@ -22,23 +22,27 @@ def flag_problem(cfg):
         assert isinstance(json.loads(cfg.env_args), dict)
     except (ValueError, AssertionError):
         return f"--env-args must be a JSON object, got {cfg.env_args!r}"
+    args, turns = json.loads(cfg.env_args), {"max_turns": cfg.max_turns} if cfg.max_turns > 0 else {}
+    if turns and "max_turns" in args:
+        return "give the turn limit once: --max-turns or max_turns in --env-args"
     try:  # a reset and one expert step: values of the wrong kind fail here, not minutes into a run
-        env = envs.make_env(cfg.env, **json.loads(cfg.env_args))
-        if env.max_turns < 1:
-            raise ValueError("max_turns must be >= 1")
+        env = envs.make_env(cfg.env, **args, **turns)  # as ragen_mini.make_env builds it
         env.reset(0)
         env.step(env.expert()[1])
     except (TypeError, ValueError, IndexError) as e:
-        return f"--env-args {cfg.env_args} do not fit env {cfg.env!r}: {e}"
+        given = f"--env-args {cfg.env_args}" + (f" with --max-turns {cfg.max_turns}" if turns else "")
+        return f"{given} do not fit env {cfg.env!r}: {e}"
     ones = ("groups", "micro_batch", "ppo_epochs", "max_actions", "diag_every", "eval_every", "eval_episodes",
             "save_every", "tiny_layers")
-    zeros = ("steps", "max_turns", "max_new_tokens", "gradnorm_every", "warmup_steps", "lr", "temperature", "eval_temperature", "clip_high")
+    zeros = ("steps", "max_turns", "max_new_tokens", "gradnorm_every", "warmup_steps", "lr", "warmup_lr", "kl_coef",
+             "eval_temperature", "clip_high")
     c = cfg  # rules: (flag, requirement, met?); NaN fails every comparison, so it is caught by each
     rules = [(f.name, "a finite number", math.isfinite(getattr(c, f.name))) for f in dataclasses.fields(c) if f.type is float]
     rules += [(f, f">= {n}", getattr(c, f) >= n) for fs, n in ((ones, 1), (zeros, 0)) for f in fs]
     rules += [("group_size", ">= 2 (one sample has no group to be relative to: every advantage would be 0)", c.group_size >= 2),
               ("grad_clip", "> 0", c.grad_clip > 0), ("filter_p", "> 0", c.filter_p > 0), ("filter_k", "in (0, 1]", 0 < c.filter_k <= 1),
               ("clip_low", "in [0, 1)", 0 <= c.clip_low < 1),
+              ("temperature", "> 0 (greedy samples of a group are all alike: no spread to learn from)", c.temperature > 0),
               ("name", "one folder name (no '/', not '.' or '..'): runs go under --out", c.name in ("", os.path.basename(c.name)) and c.name not in (".", "..")),
               ("tiny_dim", "a positive multiple of 8 (4 heads of even size)", c.tiny_dim > 0 and c.tiny_dim % 8 == 0)]
     bad = {}
@@ -50,6 +54,9 @@ def flag_problem(cfg):
     local = cfg.model.startswith(("/", ".", "~")) or cfg.model.count("/") > 1  # a hub id is "name" or "org/name"
     if local and not os.path.isdir(os.path.expanduser(cfg.model)):
         return f"--model {cfg.model}: no such folder (give a model folder, a hub id or 'tiny')"
+    folder = os.path.expanduser(cfg.model)
+    if cfg.model != "tiny" and os.path.isdir(folder) and not any(f == "config.json" or f.endswith(".gguf") for f in os.listdir(folder)):
+        return f"--model {cfg.model}: the folder holds no model (no config.json, no .gguf file)"
     try:  # the control run's scales: checked now, read when the run starts
         if cfg.reg_scale_from:
             kept_fractions(cfg.reg_scale_from, cfg.steps)
@@ -112,14 +119,19 @@ def resume(cfg, out, device):
     written before that checkpoint (a fresh start removes it)."""
     cfg_path, ckpt, log = (os.path.join(out, f) for f in ("config.json", "ckpt.pt", "log.jsonl"))
     if os.path.exists(ckpt) and os.path.exists(cfg_path):  # resume only the run these settings started (--name, demo)
-        with open(cfg_path) as f:
-            old = json.load(f)
+        try:
+            with open(cfg_path) as f:
+                old = json.load(f)
+        except ValueError:  # cut mid-write by a crash of an older version (it is written whole now)
+            raise FileExistsError(f"{cfg_path} is unreadable, so this run's settings cannot be checked: remove that "
+                                  "file to resume with the settings you give, or the folder to start over") from None
         changed = sorted(k for k, v in run_key(cfg).items() if old.get(k) != v)
         if changed:
             raise FileExistsError(f"{out} holds a run made with other settings ({', '.join(changed)}): "
                                   "remove that folder to start over, or pass another --name or --out")
-    with open(cfg_path, "w") as f:
+    with open(cfg_path + ".tmp", "w") as f:
         json.dump(asdict(cfg), f, indent=1)
+    os.replace(cfg_path + ".tmp", cfg_path)  # atomic: a kill mid-write never leaves a half file that blocks the resume
     c = torch.load(ckpt, map_location=device, weights_only=False) if os.path.exists(ckpt) else None
     if c is None or c["step"] < cfg.steps:  # a run that will train: the policy a shorter run exported goes now, so
         shutil.rmtree(os.path.join(out, "model"), ignore_errors=True)  # it can never pass for this run's

@@ -238,7 +238,9 @@ def test_frozenlake_generic_think_changes_only_the_reasoning():
     ("frozenlake", {"slip": float("nan")}, "slip is a probability"), ("frozenlake", {"size": 1}, "size must be an integer >= 2"),
     ("frozenlake", {"size": 4.5}, "size must be an integer"), ("sokoban", {"size": 3}, "size must be an integer >= 4"),
     ("sokoban", {"inner_walls": 99}, "inner_walls must be in [0, 13]"), ("webshop", {"n_items": 0}, "n_items must be"), ("webshop", {"n_items": 61}, "in [1, 60]"),
-    ("code", {"n_tests": 0}, "n_tests must be")])
+    ("code", {"n_tests": 0}, "n_tests must be"), ("countdown", {"max_turns": 1.5}, "max_turns must be an integer >= 1"),
+    ("bandit", {"max_turns": 2}, "bandit is single-turn"), ("frozenlake", {"format_penalty": float("inf")}, "format_penalty must be a finite"),
+    ("frozenlake", {"p_hole": 1, "unsolvable_frac": 0.1}, "unsolvable maps need")])
 def test_env_arguments_out_of_range_fail_at_once_with_their_name(name, kwargs, message):
     """Each constructor checks its arguments (slip 2 used to run, and n_items 0 was a KeyError at the first reset)."""
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -968,6 +970,22 @@ def test_micro_batches_keep_the_token_mean(tiny):
             assert abs(stats["loss"] - loss.item()) < 1e-6
 
 
+def test_a_non_finite_later_ppo_epoch_keeps_the_steps_before_it(tiny, monkeypatch):
+    """--ppo-epochs 3 with a NaN loss in epoch 2: epoch 1's optimizer step stands and update() says how many stepped
+    (the loop used to log the whole step as skipped)."""
+    cfg, model, tok = tiny
+    torch.manual_seed(4)
+    eps = rm.rollout(model, tok, cfg, [31], 2, 1.0)
+    seqs, adv = [(e["ids"], e["mask"], e["logp"]) for e in eps], torch.tensor([1.0, -1.0])
+    real, calls = rm.loss_terms, []
+    monkeypatch.setattr(rm, "loss_terms", lambda *a: calls.append(1) or dict(real(*a), **({"pg": torch.tensor(float("nan"))} if len(calls) == 2 else {})))
+    m = copy.deepcopy(model).train()
+    start = [p.detach().clone() for p in m.parameters()]
+    stats = rm.update(m, None, torch.optim.SGD(m.parameters(), lr=0.1), seqs, adv, dataclasses.replace(cfg, ppo_epochs=3, micro_batch=64))
+    assert stats["epochs_stepped"] == 1 and math.isnan(stats["loss"]) and len(calls) == 2
+    assert any(not torch.equal(p, q) for p, q in zip(m.parameters(), start))  # epoch 1 stepped
+
+
 def test_grad_norms_by_bucket_are_separate_backward_passes(tiny):
     """Each bucket's task / entropy / KL norm is the norm of that term's own gradient on that bucket's episodes,
     and a bucket whose groups have no reward spread has no task gradient (group-relative advantages are 0)."""
@@ -1172,6 +1190,31 @@ def test_collapse_alarm_rule(readings, fires, tmp_path, monkeypatch):
     assert summary["alarm"] == fires and [r.get("alarm") for r in rows] == [None, 1 if fires else None]
 
 
+def test_max_turns_flag_is_the_envs_own_turn_limit():
+    """--max-turns is passed to the env: its maps fit it and its episodes end by it (it used to cut only the rollout,
+    so countdown --max-turns 3 still ended at its first answer, and frozenlake --max-turns 2 drew maps 5 moves long)."""
+    env = rm.make_env(rm.parse_args(["--env", "countdown", "--max-turns", "3"]))
+    env.reset(0)
+    assert env.max_turns == 3
+    dones = [envs.step_reply(env, reply("try", "1+1"))[2] for _ in range(3)]
+    assert dones == [False, False, True]
+    lake = rm.make_env(rm.parse_args(["--max-turns", "2"]))
+    assert lake.max_turns == 2 and all(lake.reset(s) and lake.dist[lake.pos] <= 2 for s in range(50))
+    assert rm.make_env(rm.parse_args([])).max_turns == 5  # 0: the env's default
+
+
+def test_resume_refuses_an_unreadable_config_in_one_line(tmp_path):
+    """config.json is written whole (temp file, then rename); one cut by an older version is named, not a traceback."""
+    cfg = rm.parse_args(["--out", str(tmp_path)])
+    out = runfiles.run_dir(cfg)
+    os.makedirs(out)
+    assert runfiles.resume(cfg, out, "cpu") is None and sorted(os.listdir(out)) == ["config.json"]  # no .tmp left
+    runfiles.save_ckpt(os.path.join(out, "ckpt.pt"), step=3)
+    open(os.path.join(out, "config.json"), "w").close()
+    with pytest.raises(FileExistsError, match="config.json is unreadable"):  # main() prints an OSError as one line
+        runfiles.resume(cfg, out, "cpu")
+
+
 def test_resume_drops_the_log_rows_after_its_checkpoint(tmp_path):
     cfg = rm.parse_args(["--out", str(tmp_path)])
     out = runfiles.run_dir(cfg)
@@ -1189,6 +1232,12 @@ def test_resume_drops_the_log_rows_after_its_checkpoint(tmp_path):
     (dict(lr=float("nan")), "--lr must be a finite number"), (dict(tiny_dim=100), "--tiny-dim must be a positive multiple of 8"),
     (dict(model="runs/nope/model"), "--model runs/nope/model: no such folder"),  # a relative path, not a hub id
     (dict(name="../elsewhere"), "--name must be one folder name"), (dict(name=".."), "--name must be one folder name"),
+    (dict(warmup_lr=-1.0), "--warmup-lr must be >= 0"), (dict(kl_coef=-0.1), "--kl-coef must be >= 0"),  # -0.1 kept no reference
+    (dict(temperature=0.0), "--temperature must be > 0"), (dict(model=os.path.join(HERE, "docs")), "the folder holds no model"),
+    (dict(env="bandit", max_turns=3), "bandit is single-turn"), (dict(env_args='{"max_turns": 2.5}'), "max_turns must be an integer"),
+    (dict(env="countdown", max_turns=3, env_args='{"max_turns": 2}'), "give the turn limit once"),
+    (dict(env_args='{"format_penalty": NaN}'), "format_penalty must be a finite number"),
+    (dict(env_args='{"size": 2, "unsolvable_frac": 0.5}'), "unsolvable maps need size >= 3"),  # seed 0 fits; seed 1 did not
 ])
 def test_flag_rules(change, message):
     assert runfiles.flag_problem(rm.Config()) is None
@@ -1237,6 +1286,8 @@ def test_cli_end_to_end_and_resume(tmp_path):
     assert r3.returncode != 0 and "other settings (lr)" in r3.stderr and "Traceback" not in r3.stderr, r3.stderr[-2000:]
     assert [r["step"] for r in map(json.loads, open(tmp_path / run / "log.jsonl"))] == [0, 1, 2]  # nothing lost
     assert json.load(open(tmp_path / run / "config.json"))["lr"] != 1e-3
+    r4 = run_cli(*args[2:], "--steps", "1")  # fewer steps than the run has: it says so, and shows the whole run's result
+    assert r4.returncode == 0 and "has run 3 steps, more than --steps 1" in r4.stdout and "after 3 steps" in r4.stdout, r4.stdout[-2000:]
 
 
 def test_run_exports_its_final_policy_and_it_loads_back_as_a_model(tmp_path):
@@ -1282,7 +1333,8 @@ def test_demo_flags_typed_override_its_setup():
     assert demo.demo_config(plain) == rm.Config(**demo.SETUP, seed=3)
     assert demo.changes(mine) == {"kl_coef": 0.0, "steps": 50} and demo.demo_dir(mine).startswith(os.path.join("runs", "demo-s3-"))
     assert demo.demo_config(mine) == rm.Config(**(demo.SETUP | {"kl_coef": 0.0, "steps": 50}), seed=3)
-    for args, message in [(["--filter", "snr"], "sets --filter"), (["--steps", "0"], "--steps >= 1"), (["--groups", "2"], "--groups >= 3")]:
+    for args, message in [(["--filter", "snr"], "sets --filter"), (["--steps", "0"], "--steps >= 1"), (["--groups", "2"], "--groups >= 3"),
+                          (["--env", "bandit"], "do not fit env 'bandit'.*give its --env-args too")]:  # the set-up's env-args
         with pytest.raises(SystemExit, match=message):
             demo.demo_config(rm.parse_args(["--demo", *args]))
 
@@ -1400,7 +1452,7 @@ def test_bench_code_path_prints_its_figures(tmp_path):
     (["--env-args", "{oops"], "JSON object"), (["--env-args", '{"holes": 3}'], "do not fit env"),
     (["--env-args", '{"format_penalty": "high"}'], "do not fit env"), (["--groups", "0"], ">= 1"), (["--max-new-tokens", "-1"], ">= 0"),
     (["--model", "/nonexistent/model", "--steps", "1"], "no such folder"), (["--env-args", '{"slip": "x"}'], "do not fit env"),
-    (["--env-args", '{"max_turns": -1}'], "max_turns must be >= 1"), (["--env", "sokoban", "--env-args", '{"size": 3}'], "do not fit env"),
+    (["--env-args", '{"max_turns": -1}'], "max_turns must be an integer >= 1"), (["--env", "sokoban", "--env-args", '{"size": 3}'], "do not fit env"),
     (["--reg-scale-from", os.path.join(HERE, "README.md")], "is not a run's log.jsonl"),
     (["--env-args", '{"slip": 2}'], "slip is a probability in [0, 1]"), (["--env", "webshop", "--env-args", '{"n_items": 0}'], "n_items must be"),
     (["--diag-every", "0", "--lr", "-1"], "--diag-every must be >= 1, --lr must be >= 0"),

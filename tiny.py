@@ -41,7 +41,7 @@ def tiny_policy(cfg, device):
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
     key = {k: getattr(cfg, k) for k in ("env", "max_turns", "tiny_dim", "tiny_layers", "warmup_steps", "warmup_lr")}
-    key |= {"version": 4, "env_args": json.dumps({k: v for k, v in json.loads(cfg.env_args).items()
+    key |= {"version": 5, "env_args": json.dumps({k: v for k, v in json.loads(cfg.env_args).items()
                                                   if k != "format_penalty"}, sort_keys=True)}  # rewards do not change expert data
     # one warm start, shared by every RL --seed
     path = os.path.join(os.path.expanduser(cfg.cache_dir),
@@ -67,7 +67,7 @@ def warm_start(cfg, path, device):
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     env = rm.make_env(cfg)
-    turns = cfg.max_turns or env.max_turns
+    turns = env.max_turns
     rng = random.Random(0)
     seeds = [rng.randrange(10**6) for _ in range(32 * cfg.warmup_steps + 300)]  # training seeds: [0, 1e6)
     # 1. tokenizer: byte-level BPE trained on expert transcripts, so any text tokenizes (no unknown words)
