@@ -141,8 +141,8 @@ def main(cfg, iters=4):
         t_update = times["none" if cfg.filter == "none" else "snr"]
         t_iter = t_roll + t_diag + t_update
         t_gen = hf_generate_time(model, tok, eps)
-        t_plain = plain_step_time(model, seqs if cfg.filter == "none" else [seqs[g * G + i] for g in kept for i in range(G)] or seqs[:1],
-                                  cfg.ppo_epochs)
+        trained = seqs if cfg.filter == "none" else [seqs[g * G + i] for g in kept for i in range(G)]
+        t_plain = plain_step_time(model, trained, cfg.ppo_epochs) if trained else 0.0  # nothing kept: no update to compare
         c = clock.t
         row = dict(rollout=t_roll, prefill=c["prefill"], decode=c["decode"], env=c["env"], diag=t_diag, update=t_update,
                    update_none=times["none"], update_snr=times["snr"], kept=len(kept) / P, iter=t_iter,
@@ -153,7 +153,8 @@ def main(cfg, iters=4):
             print(f"iter {it}: " + " ".join(f"{k}={v:.3g}" for k, v in row.items()))
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(f"\nmedian of {len(rows)} iterations ({cfg.filter} filter in the iteration time):")
+    print(f"\nmedian of {len(rows)} iterations ({cfg.filter} filter in the iteration time; not in it: the evaluation every "
+          f"--eval-every steps, checkpoints{', the --gradnorm-every buckets' if cfg.gradnorm_every else ''}):")
     print(f"  iteration {med['iter']:.2f}s = rollout {med['rollout']:.2f}s (prefill {med['prefill']:.2f}s at {med['prefill_tps']:.0f} tok/s, "
           f"decode {med['decode']:.2f}s at {med['decode_tps']:.0f} tok/s, env {med['env']:.3f}s) + diagnostics {med['diag']:.2f}s + update {med['update']:.2f}s")
     print(f"  shares of the iteration: env {med['env'] / med['iter']:.1%}, diagnostics {med['diag'] / med['iter']:.1%}, update {med['update'] / med['iter']:.1%}")

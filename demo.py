@@ -137,12 +137,13 @@ def plot(runs, path, eval_start=None):
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (k, title) in zip(axes.flat, keys):
         for label, rows in runs.items():
-            pts = [(r["step"], r[k]) for r in rows if k in r]
+            # x = updates done: a step's diagnostics come before its update, its evaluation after it
+            pts = [(r["step"] + (k == "eval_success"), r[k]) for r in rows if k in r]
             pts = ([(0, eval_start)] if k == "eval_success" and eval_start is not None else []) + pts  # the warm start's
             ax.plot(*zip(*pts), label=label, marker="." if k == "eval_success" else None)
         if k == "retrieval":
-            ax.axhline(runs[next(iter(runs))][0]["retrieval_chance"], color="grey", ls=":", label="chance")
-        ax.set_title(title); ax.set_xlabel("step")
+            ax.axhline(last(runs[next(iter(runs))], "retrieval_chance"), color="grey", ls=":", label="chance")
+        ax.set_title(title); ax.set_xlabel("updates")
     axes.flat[0].legend()
     ax = axes.flat[5]  # gradient norms by reward-variance bucket, averaged over the logged steps of run (a)
     norms, se, _, _ = bucket_norms(runs[next(iter(runs))])
@@ -172,7 +173,11 @@ class Arm:
     def __init__(self, ctx, cfg, threads):
         self.conn, child = ctx.Pipe(duplex=False)
         self.proc, self.name, self.out = ctx.Process(target=train_arm, args=(cfg, threads, child), daemon=True), cfg.name, None
-        self.proc.start()
+        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child starts with ^C ignored: a ^C while it still
+        try:                                                     # imports torch would print its traceback
+            self.proc.start()
+        finally:
+            signal.signal(signal.SIGINT, sigint)
         child.close()
 
     def ready(self):
@@ -202,7 +207,8 @@ def wait_for(arms, running, cfgs, every=30):
                 r.result()  # raises if the run failed or its process died
         if all(ready[id(r)] for r in arms):
             return
-        multiprocessing.connection.wait([x for r in arms if not ready[id(r)] for x in (r.conn, r.proc.sentinel)], every)
+        waited = {id(r): r for r in running + arms if not ready[id(r)]}.values()  # any run's end or failure wakes it
+        multiprocessing.connection.wait([x for r in waited for x in (r.conn, r.proc.sentinel)], every)
         parts = []
         for c in cfgs:
             rows = rows_of(runfiles.run_dir(c))  # complete lines only: the run may be writing its next one
@@ -259,12 +265,12 @@ def main(cfg):
         maps["warm start"], maps[label] = ckpt["state"].get("maps0"), ckpt["state"].get("maps")  # per held-out map: solved?
         runs[label], times[label], eval_start = rows_of(summary["out"]), summary["sec"], summary["eval_start"]
     held = {k: heldout_mi(m, tok, base) for k, m in [("warm start", start)] + list(models.items())}
-    first = runs["(a) no filter"][0]
+    first = next((r for r in runs["(a) no filter"] if "mi" in r), {})  # the first diagnostics, at step 0 unless it had none
     table = ["| | warm start | " + " | ".join(runs) + " |", "|---" * (len(runs) + 2) + "|"]
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
     stats = {"warm start": dict(eval_success=eval_start,
-                                token_entropy=first["token_entropy"], mi=first["mi"], ret=first["retrieval"] - first["retrieval_chance"],
-                                mi_zscore_ema=first["mi_zscore_ema"], kept="-", skipped="-", alarm="-", sec="-")}
+                                token_entropy=last([first], "token_entropy"), mi=last([first], "mi"), mi_zscore_ema=last([first], "mi_zscore_ema"),
+                                ret=last([first], "retrieval") - last([first], "retrieval_chance"), kept="-", skipped="-", alarm="-", sec="-")}
     for label, rows in runs.items():
         stats[label] = dict(eval_success=last(rows, "eval_success"), token_entropy=last(rows, "token_entropy"), mi=last(rows, "mi"),
                             ret=last(rows, "retrieval") - last(rows, "retrieval_chance"), mi_zscore_ema=last(rows, "mi_zscore_ema"),

@@ -575,6 +575,8 @@ def main(argv=None):
             return bench.main(cfg)
         train(cfg)
     except KeyboardInterrupt:
+        if cfg.bench:
+            sys.exit("\ninterrupted: the benchmark keeps nothing; rerun it")
         if cfg.demo:
             import demo
         where = demo.demo_dir(cfg) if cfg.demo else runfiles.run_dir(cfg)

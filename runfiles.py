@@ -125,7 +125,8 @@ def resume(cfg, out, device):
         except ValueError:  # cut mid-write by a crash of an older version (it is written whole now)
             raise FileExistsError(f"{cfg_path} is unreadable, so this run's settings cannot be checked: remove that "
                                   "file to resume with the settings you give, or the folder to start over") from None
-        changed = sorted(k for k, v in run_key(cfg).items() if old.get(k) != v)
+        same = lambda k, a, b: a == b or k == "reg_scale_from" and bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
+        changed = sorted(k for k, v in run_key(cfg).items() if not same(k, old.get(k), v))  # (a path: however it is spelt)
         if changed:
             raise FileExistsError(f"{out} holds a run made with other settings ({', '.join(changed)}): "
                                   "remove that folder to start over, or pass another --name or --out")

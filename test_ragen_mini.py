@@ -1215,6 +1215,21 @@ def test_resume_refuses_an_unreadable_config_in_one_line(tmp_path):
         runfiles.resume(cfg, out, "cpu")
 
 
+def test_resume_takes_the_control_runs_log_path_however_it_is_spelt(tmp_path, monkeypatch):
+    """The demo's control run (c) keeps (b)'s log path as a setting: a rerun with `--out ./runs` or an absolute --out
+    resumes it (it used to be refused as "other settings", and the message said to remove the finished run)."""
+    monkeypatch.chdir(tmp_path)
+    cfg = rm.Config(out="runs", name="c", reg_scale_from=os.path.join("runs", "b", "log.jsonl"))
+    out = runfiles.run_dir(cfg)
+    os.makedirs(out)
+    runfiles.resume(cfg, out, "cpu")
+    runfiles.save_ckpt(os.path.join(out, "ckpt.pt"), step=1)
+    for spelt in (os.path.join(".", "runs", "b", "log.jsonl"), str(tmp_path / "runs" / "b" / "log.jsonl")):
+        assert runfiles.resume(dataclasses.replace(cfg, reg_scale_from=spelt), out, "cpu")["step"] == 1
+    with pytest.raises(FileExistsError, match=r"other settings \(reg_scale_from\)"):
+        runfiles.resume(dataclasses.replace(cfg, reg_scale_from=os.path.join("runs", "other", "log.jsonl")), out, "cpu")
+
+
 def test_resume_drops_the_log_rows_after_its_checkpoint(tmp_path):
     cfg = rm.parse_args(["--out", str(tmp_path)])
     out = runfiles.run_dir(cfg)
@@ -1400,6 +1415,27 @@ def test_demo_wait_does_not_sleep_when_a_run_ends_after_the_reading():
     import demo
     f, t0 = EndsBetweenReadings(), time.time()
     demo.wait_for([f], [], [], every=5)
+    assert time.time() - t0 < 2
+
+
+class NeverEnds:
+    """A stand-in for demo.Arm whose run goes on: never ready, its connection and sentinel never signalled."""
+
+    def __init__(self):
+        (self.conn, self._a), (sentinel, self._b) = multiprocessing.Pipe(duplex=False), multiprocessing.Pipe(duplex=False)
+        self.proc = type("Proc", (), {"sentinel": sentinel})()
+
+    def ready(self):
+        return False
+
+
+def test_demo_wait_wakes_at_once_when_a_run_it_does_not_wait_for_fails():
+    """While the demo waits for (b), a failure of (a) wakes it at once (it used to wait only on (b)'s pipe, and saw
+    (a)'s failure at the next 30-second round)."""
+    import demo
+    f, b, t0 = EndsBetweenReadings(), NeverEnds(), time.time()
+    with pytest.raises(RuntimeError, match="run f: its process died"):
+        demo.wait_for([b], [f, b], [], every=5)
     assert time.time() - t0 < 2
 
 
