@@ -55,8 +55,13 @@ def flag_problem(cfg):
     if local and not os.path.isdir(os.path.expanduser(cfg.model)):
         return f"--model {cfg.model}: no such folder (give a model folder, a hub id or 'tiny')"
     folder = os.path.expanduser(cfg.model)
-    if cfg.model != "tiny" and os.path.isdir(folder) and not any(f == "config.json" or f.endswith(".gguf") for f in os.listdir(folder)):
-        return f"--model {cfg.model}: the folder holds no model (no config.json, no .gguf file)"
+    if cfg.model != "tiny" and os.path.isdir(folder):
+        try:
+            files = os.listdir(folder)
+        except OSError as e:
+            return f"--model {cfg.model}: {e.strerror}"
+        if not any(f == "config.json" or f.endswith(".gguf") for f in files):
+            return f"--model {cfg.model}: the folder holds no model (no config.json, no .gguf file)"
     try:  # the control run's scales: checked now, read when the run starts
         if cfg.reg_scale_from:
             kept_fractions(cfg.reg_scale_from, cfg.steps)
@@ -122,7 +127,8 @@ def resume(cfg, out, device):
         try:
             with open(cfg_path) as f:
                 old = json.load(f)
-        except ValueError:  # cut mid-write by a crash of an older version (it is written whole now)
+            assert isinstance(old, dict)
+        except (ValueError, AssertionError):  # cut mid-write by a crash of an older version (it is written whole now)
             raise FileExistsError(f"{cfg_path} is unreadable, so this run's settings cannot be checked: remove that "
                                   "file to resume with the settings you give, or the folder to start over") from None
         same = lambda k, a, b: a == b or k == "reg_scale_from" and bool(a and b) and os.path.realpath(a) == os.path.realpath(b)

@@ -1210,9 +1210,11 @@ def test_resume_refuses_an_unreadable_config_in_one_line(tmp_path):
     os.makedirs(out)
     assert runfiles.resume(cfg, out, "cpu") is None and sorted(os.listdir(out)) == ["config.json"]  # no .tmp left
     runfiles.save_ckpt(os.path.join(out, "ckpt.pt"), step=3)
-    open(os.path.join(out, "config.json"), "w").close()
-    with pytest.raises(FileExistsError, match="config.json is unreadable"):  # main() prints an OSError as one line
-        runfiles.resume(cfg, out, "cpu")
+    for text in ("", "[1, 2]"):  # cut mid-write; valid JSON but not a config
+        with open(os.path.join(out, "config.json"), "w") as f:
+            f.write(text)
+        with pytest.raises(FileExistsError, match="config.json is unreadable"):  # main() prints an OSError as one line
+            runfiles.resume(cfg, out, "cpu")
 
 
 def test_resume_takes_the_control_runs_log_path_however_it_is_spelt(tmp_path, monkeypatch):
