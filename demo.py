@@ -158,8 +158,7 @@ def plot(runs, path, eval_start=None):
 def train_arm(cfg, threads, conn):
     """One run of the demo in a worker process: `threads` torch threads; quiet but for the collapse alarm and notes.
     Sends ("ok", summary) or ("error", message) back through conn."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C is the parent's: it stops the workers, whose checkpoints stay
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads)  # SIGINT is ignored here from the start (Arm): ^C is the parent's, which stops the workers
     try:
         conn.send(("ok", rm.train(cfg, quiet=True)[0]))
     except Exception as e:
@@ -173,8 +172,8 @@ class Arm:
     def __init__(self, ctx, cfg, threads):
         self.conn, child = ctx.Pipe(duplex=False)
         self.proc, self.name, self.out = ctx.Process(target=train_arm, args=(cfg, threads, child), daemon=True), cfg.name, None
-        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child starts with ^C ignored: a ^C while it still
-        try:                                                     # imports torch would print its traceback
+        sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child inherits ^C ignored, from its first line on
+        try:                                                     # (while it imports torch a ^C printed its traceback)
             self.proc.start()
         finally:
             signal.signal(signal.SIGINT, sigint)
@@ -269,8 +268,9 @@ def main(cfg):
     table = ["| | warm start | " + " | ".join(runs) + " |", "|---" * (len(runs) + 2) + "|"]
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
     stats = {"warm start": dict(eval_success=eval_start,
-                                token_entropy=last([first], "token_entropy"), mi=last([first], "mi"), mi_zscore_ema=last([first], "mi_zscore_ema"),
-                                ret=last([first], "retrieval") - last([first], "retrieval_chance"), kept="-", skipped="-", alarm="-", sec="-")}
+                                **{k: first.get(k, float("nan")) for k in ("token_entropy", "mi", "mi_zscore_ema")},
+                                ret=first.get("retrieval", float("nan")) - first.get("retrieval_chance", float("nan")),
+                                kept="-", skipped="-", alarm="-", sec="-")}
     for label, rows in runs.items():
         stats[label] = dict(eval_success=last(rows, "eval_success"), token_entropy=last(rows, "token_entropy"), mi=last(rows, "mi"),
                             ret=last(rows, "retrieval") - last(rows, "retrieval_chance"), mi_zscore_ema=last(rows, "mi_zscore_ema"),

@@ -827,13 +827,13 @@ ENVS = {
 }
 
 
-def make_env(name, format_penalty=None, **kwargs):
+def make_env(name, format_penalty=None, max_turns=None, **kwargs):
     """Build a registered environment by name, e.g. make_env("sokoban", max_turns=8). `format_penalty` (any env)
     is the reward of a malformed reply or an invalid action (default `Env.format_penalty`); 0 makes a group that
-    never succeeds have zero spread."""
+    never succeeds have zero spread. `max_turns` (any env) is its turn limit; None keeps the env's own."""
     if name not in ENVS:
         raise ValueError(f"unknown env {name!r}; choose from: {', '.join(ENVS)}")
-    env = ENVS[name](**kwargs)
+    env = ENVS[name](**kwargs, **({} if max_turns is None else {"max_turns": max_turns}))
     _need(isinstance(env.max_turns, int) and env.max_turns >= 1, f"max_turns must be an integer >= 1, got {env.max_turns!r}")
     if format_penalty is not None:
         env.format_penalty = float(format_penalty)

@@ -112,7 +112,7 @@ def parse_args(argv=None) -> Config:
 
 def make_env(cfg):
     """--env built with --env-args; --max-turns, when given, is the env's own turn limit (its maps, its `done`)."""
-    return envs.make_env(cfg.env, **json.loads(cfg.env_args), **({"max_turns": cfg.max_turns} if cfg.max_turns else {}))
+    return envs.make_env(cfg.env, **{"max_turns": cfg.max_turns or None, **json.loads(cfg.env_args)})  # flag_problem: not both
 
 
 # ----------------------------------------------------------------------------- chat format

@@ -22,11 +22,11 @@ def flag_problem(cfg):
         assert isinstance(json.loads(cfg.env_args), dict)
     except (ValueError, AssertionError):
         return f"--env-args must be a JSON object, got {cfg.env_args!r}"
-    args, turns = json.loads(cfg.env_args), {"max_turns": cfg.max_turns} if cfg.max_turns > 0 else {}
+    args, turns = json.loads(cfg.env_args), cfg.max_turns if cfg.max_turns > 0 else None  # < 0: its range check below
     if turns and "max_turns" in args:
         return "give the turn limit once: --max-turns or max_turns in --env-args"
     try:  # a reset and one expert step: values of the wrong kind fail here, not minutes into a run
-        env = envs.make_env(cfg.env, **args, **turns)  # as ragen_mini.make_env builds it
+        env = envs.make_env(cfg.env, **{"max_turns": turns, **args})  # as ragen_mini.make_env builds it
         env.reset(0)
         env.step(env.expert()[1])
     except (TypeError, ValueError, IndexError) as e:
@@ -52,9 +52,9 @@ def flag_problem(cfg):
     if bad:
         return ", ".join(bad.values())
     local = cfg.model.startswith(("/", ".", "~")) or cfg.model.count("/") > 1  # a hub id is "name" or "org/name"
-    if local and not os.path.isdir(os.path.expanduser(cfg.model)):
-        return f"--model {cfg.model}: no such folder (give a model folder, a hub id or 'tiny')"
     folder = os.path.expanduser(cfg.model)
+    if local and not os.path.isdir(folder):
+        return f"--model {cfg.model}: no such folder (give a model folder, a hub id or 'tiny')"
     if cfg.model != "tiny" and os.path.isdir(folder):
         try:
             files = os.listdir(folder)
