@@ -20,7 +20,10 @@ Deviations from the paper / reference code (veRL-based RAGEN), all deliberate:
   * on a GPU: fp32 weights and optimizer state, bf16 autocast (mixed precision);
   * the rollout's KV cache is kept across turns: each turn encodes only the new environment message;
   * the default model is an embedded tiny Llama warm-started on expert traces (no hub access needed);
-  * filter score is the group reward *std* (reference code); --filter-score var gives the ports' variant.
+  * filter score is the group reward *std* (reference code); --filter-score var gives the ports' variant;
+  * no dual clip (veRL's clip_ratio_c = 3 bounds -A * ratio for A < 0): with one on-policy step the ratio stays ~1;
+  * --adv drgrpo changes the advantage only; the loss stays a token mean (Dr.GRPO divides the token sum by a constant);
+  * a reasoning that is empty or never closed stays in the MI proxies (README "Metrics"; the reference drops it).
 """
 import argparse, copy, dataclasses, functools, inspect, json, math, os, random, re, sys, time
 from dataclasses import dataclass, asdict
@@ -61,17 +64,18 @@ class Config:
     clip_high: float = 0.28  # PPO clip range above 1 (ref: clip_ratio_high; TRL: epsilon_high)
     entropy_coeff: float = 0.001  # entropy bonus on agent tokens (ref: entropy_coeff)
     kl_coef: float = 0.0  # k3 KL to the frozen start model; 0 keeps no reference model (ref: kl_loss_coef; TRL: beta)
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay, the paper's third input-agnostic regulariser (veRL's default: 0.01)
     ppo_epochs: int = 1  # optimizer steps per batch
     micro_batch: int = 8  # sequences per forward/backward, sorted by length (gradient accumulation; raise it on a GPU) (ref: ppo_micro_batch_size_per_gpu)
     grad_clip: float = 1.0  # max global grad norm
     reg_only: bool = False  # ablation: zero all task advantages, leaving only the regularisers
     reg_scale_from: str = ""  # control run: multiply regulariser coefficients by 'kept_frac' per step from this JSONL
     # --- SNR filter ---
-    filter: str = "none"  # none | snr (top-p on reward spread) | topk (top fraction by spread); both drop zero-spread groups (ref: rollout_filter_strategy)
+    filter: str = "none"  # none | snr (top-p on reward spread) | topk (top fraction by spread) (ref: rollout_filter_strategy)
     filter_p: float = 0.9  # snr: keep the top groups holding this share of total spread (ref: rollout_filter_value)
     filter_k: float = 0.25  # topk: fraction of groups kept (ref: rollout_filter_value)
     filter_score: str = "std"  # group score: std (reference code) or var (ref: rollout_filter_metric)
-    include_zero: bool = False  # keep zero-spread groups too (ref: rollout_filter_include_zero)
+    include_zero: bool = True  # zero-spread groups may be kept: snr with p >= 1 is then no filter, topk keeps top groups even without spread (ref: rollout_filter_include_zero, default True)
     # --- diagnostics, evaluation, runs ---
     diag_every: int = 5  # entropy + MI proxies every k steps, on the unfiltered batch
     gradnorm_every: int = 0  # task / entropy / KL gradient norms by reward-variance bucket every k steps with reward spread (0 = off)
@@ -301,21 +305,22 @@ def rollout(model, tok, cfg, seeds, group_size, temperature):
 
 
 # ----------------------------------------------------------------------------- filter, advantages, loss
-def filter_groups(returns, mode="snr", p=0.9, k=0.25, score="std", include_zero=False):
+def filter_groups(returns, mode="snr", p=0.9, k=0.25, score="std", include_zero=True):
     """SNR-aware filter (README step 4). returns [P, G] -> sorted list of kept group indices.
-    snr: sort groups by reward spread, keep the shortest prefix holding p of the total spread (reference code:
-    tolerance 0.01; p >= 1 keeps all); topk: keep the top k fraction. Zero-spread groups are dropped unless
-    include_zero. An empty list means: skip this update."""
+    snr: sort groups by reward spread, keep the shortest prefix whose spread reaches p of the total minus 0.01 (the
+    reference code's tolerance; p >= 1 keeps all); topk: keep the int(k * P) groups with the largest spread (at
+    least 1). Zero-spread groups are then dropped unless include_zero (snr with p < 1 never keeps one: the prefix
+    is full before them). An empty list means: skip this update."""
     s = returns.std(1) if score == "std" else returns.var(1)  # unbiased, over the G samples of a group
     s = torch.nan_to_num(s, 0.0)  # group_size 1 has no spread
     order = torch.argsort(s, descending=True, stable=True).tolist()
     if mode == "none":
         return list(range(len(returns)))
     if mode == "topk":
-        order = order[:max(1, round(k * len(returns)))]
+        order = order[:max(1, int(k * len(returns)))]
     elif p < 1:
-        cum = torch.cumsum(s[order], 0)
-        order = order[:int((cum < p * s.sum() - 0.01).sum()) + 1]
+        cum, need = torch.cumsum(s[order], 0), p * s.sum() - 0.01
+        order = order[:int((cum < need).sum()) + 1] if need > 0 else []  # need <= 0: the empty prefix reaches it
     return sorted(g for g in order if include_zero or s[g] > 0)
 
 
@@ -387,6 +392,8 @@ def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
     if torch.is_autocast_enabled(dev.type):  # bf16: pi_old from the forward the loss uses (in fp32 the sampler's are equal)
         seqs = training_logprobs(model, seqs, order, cfg)
     stats = dict(loss=0.0, pg=0.0, entropy=0.0, kl=0.0)
+    for group in opt.param_groups:  # weight decay is a regulariser too: the control run scales it with the others
+        group["weight_decay"] = reg_scale * cfg.weight_decay
     for epoch in range(cfg.ppo_epochs):
         opt.zero_grad(set_to_none=True)
         for i in range(0, len(seqs), cfg.micro_batch):
@@ -469,7 +476,7 @@ def train_locked(cfg, out, quiet):
     c = runfiles.resume(cfg, out, device)  # the last checkpoint, or None; refuses a folder of other settings
     model, tok = load_policy(cfg, device)
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None  # frozen start model
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     ema, log_path, ckpt = metrics.ZScoreEMA(), os.path.join(out, "log.jsonl"), os.path.join(out, "ckpt.pt")
     start, state = 0, {"mi0": None, "ent0": None, "alarm": False, "eval0": None}
     if c is not None:  # resume: weights, optimizer, step, and the running statistics

@@ -35,7 +35,7 @@ def flag_problem(cfg):
     ones = ("groups", "micro_batch", "ppo_epochs", "max_actions", "diag_every", "eval_every", "eval_episodes",
             "save_every", "tiny_layers")
     zeros = ("steps", "max_turns", "max_new_tokens", "gradnorm_every", "warmup_steps", "lr", "warmup_lr", "kl_coef",
-             "eval_temperature", "clip_high")
+             "weight_decay", "eval_temperature", "clip_high")
     c = cfg  # rules: (flag, requirement, met?); NaN fails every comparison, so it is caught by each
     rules = [(f.name, "a finite number", math.isfinite(getattr(c, f.name))) for f in dataclasses.fields(c) if f.type is float]
     rules += [(f, f">= {n}", getattr(c, f) >= n) for fs, n in ((ones, 1), (zeros, 0)) for f in fs]

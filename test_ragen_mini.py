@@ -818,16 +818,27 @@ def test_filter_top_p_rule():
     two = torch.tensor([[0.0, 9.0], [0.0, 1.0]])  # stds 6.364 and 0.707: the first holds exactly 0.9 of the total,
     assert rm.filter_groups(two, "snr", p=0.9) == [0]  # enough (up to the reference code's 0.01 tolerance)
     assert rm.filter_groups(R, "snr", p=0.5) == [2]  # the dominant group alone holds > half the spread
-    assert rm.filter_groups(R, "snr", p=1.0) == [1, 2, 3]  # p = 1 keeps every group with spread
-    assert rm.filter_groups(R, "snr", p=1.0, include_zero=True) == [0, 1, 2, 3]
+    assert rm.filter_groups(R, "snr", p=1.0) == [0, 1, 2, 3]  # p = 1 is the paper's no-filter baseline (include_zero)
+    assert rm.filter_groups(R, "snr", p=1.0, include_zero=False) == [1, 2, 3]  # every group with spread
+    assert rm.filter_groups(R, "snr", p=0.9, include_zero=False) == [1, 2]  # p < 1 never reaches the zero groups
     assert rm.filter_groups(R, "none") == [0, 1, 2, 3]
     assert rm.filter_groups(R, "topk", k=0.5) == [1, 2]
+    assert rm.filter_groups(R, "topk", k=0.75) == [1, 2, 3] and rm.filter_groups(R, "topk", k=1.0) == [0, 1, 2, 3]
+    assert rm.filter_groups(R, "topk", k=1.0, include_zero=False) == [1, 2, 3]
     assert rm.filter_groups(R, "snr", p=0.9, score="var") == [2]  # variance concentrates on the biggest spread
+    six = torch.tensor([[0.0, float(g + 1)] for g in range(6)])  # six groups with spread, the last the widest
+    assert rm.filter_groups(six, "topk", k=0.25) == [5]  # int(0.25 * 6) = 1 group, as the reference code counts
 
 
 def test_filter_keeps_nothing_when_no_group_has_spread():
     R = torch.tensor([[0.0, 0, 0], [1.0, 1, 1]])
-    assert rm.filter_groups(R, "snr") == [] and rm.filter_groups(R, "topk") == []
+    for include_zero in (True, False):
+        assert rm.filter_groups(R, "snr", include_zero=include_zero) == []
+    assert rm.filter_groups(R, "topk", include_zero=False) == []
+    assert rm.filter_groups(R, "topk", k=0.5) == [0]  # topk keeps its count, spread or not (include_zero, the default)
+    # spread too small for the 0.01 tolerance: p * total - 0.01 <= 0 is reached by the empty prefix (reference code)
+    tiny_spread = torch.tensor([[-0.1] + [0.0] * 7, [0.0] * 8])  # variance 0.00125
+    assert rm.filter_groups(tiny_spread, "snr", score="var") == [] and rm.filter_groups(tiny_spread, "snr") == [0]
 
 
 @pytest.fixture(scope="module")
@@ -968,6 +979,24 @@ def test_micro_batches_keep_the_token_mean(tiny):
             stats = rm.update(m, r, torch.optim.SGD(m.parameters(), lr=0.0), seqs, adv, dataclasses.replace(cfg, micro_batch=mb), scale)
             assert torch.allclose(torch.cat([p.grad.flatten() for p in m.parameters()]), want, atol=1e-6), (mb, scale)
             assert abs(stats["loss"] - loss.item()) < 1e-6
+
+
+def test_weight_decay_is_a_regulariser_the_control_run_scales(tiny):
+    """--weight-decay reaches AdamW, and update()'s reg_scale (the control run's kept fraction) scales it with the
+    entropy and KL coefficients: with lr > 0 and no gradient signal at all, the weights shrink by lr * scale * wd."""
+    cfg, model, tok = tiny
+    torch.manual_seed(4)
+    eps = rm.rollout(model, tok, cfg, [31], 2, 1.0)
+    seqs, adv = [(e["ids"], e["mask"], e["logp"]) for e in eps], torch.tensor([0.0, 0.0])
+    cfg = dataclasses.replace(cfg, weight_decay=0.5, entropy_coeff=0.0)
+    for scale in (1.0, 0.25, 0.0):
+        m = copy.deepcopy(model).train()
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=cfg.weight_decay)
+        w0 = m.model.norm.weight.detach().clone()
+        rm.update(m, None, opt, seqs, adv, cfg, scale)
+        assert opt.param_groups[0]["weight_decay"] == 0.5 * scale
+        assert torch.allclose(m.model.norm.weight, w0 * (1 - 0.1 * 0.5 * scale))  # zero gradient: AdamW's step is 0
+    assert "--weight-decay must be >= 0" in runfiles.flag_problem(dataclasses.replace(cfg, weight_decay=-0.1))
 
 
 def test_a_non_finite_later_ppo_epoch_keeps_the_steps_before_it(tiny, monkeypatch):
