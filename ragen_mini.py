@@ -40,7 +40,7 @@ import runfiles
 @dataclass
 class Config:
     # --- task ---
-    env: str = "frozenlake"  # environment (envs.ENVS): frozenlake, frozenlake-mixed, bandit, sokoban, countdown, webshop, code
+    env: str = "frozenlake"  # environment: a name in envs.ENVS
     env_args: str = "{}"  # JSON kwargs for the env constructor, e.g. '{"slip": 0.2}'
     max_turns: int = 0  # turns per episode, passed to the env (ref: max_turn); 0 = the env's default
     max_actions: int = 2  # actions per turn, separated by '||' (reference code: 2)
@@ -85,7 +85,7 @@ class Config:
     save_every: int = 10  # checkpoint every n steps; rerunning the same command resumes
     seed: int = 0  # seed for env sampling and torch (the tiny warm start is shared by all seeds)
     out: str = "runs"  # runs are written to OUT/<name>
-    name: str = ""  # run name, one folder under --out; default from env, filter, seed and a hash of the config
+    name: str = ""  # run name, one folder under --out; default from env, filter, seed and a hash of the settings that differ from the defaults
     device: str = "auto"  # auto | cpu | cuda | mps
     demo: bool = False  # run the template-collapse demo (demo.py) instead of one training run
     bench: bool = False  # run the speed benchmark (bench.py) instead of training
@@ -197,6 +197,9 @@ def load_policy(cfg, device):
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **gguf).to(device)  # bf16 compute: amp()
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    if not cfg.max_new_tokens:
+        print(f"note: the env's {make_env(cfg).reply_tokens} tokens a turn fit the tiny model's replies; a real model's "
+              "reasoning is longer and is cut there (--max-new-tokens 128 gives it room)")
     try:
         Chat(tok, "")  # it needs a chat template that closes assistant turns with EOS
     except ValueError as e:
@@ -427,6 +430,8 @@ def diagnostics(model, tok, eps, G, ema):
     col = torch.arange(len(eps)) // G  # c(i): the column of each reasoning's own prompt
     cs = metrics.cross_score(model, prompts, reasons, tok.pad_token_id, matched=col.tolist())
     keys = [tuple(p) for p in prompts]  # identical prompts (same seed twice) are the same column
+    if len(set(keys)) < 2:  # one distinct prompt (--groups 1, or an env whose start never varies): no MI to estimate
+        return {"token_entropy": cs["entropy"]}
     mi, mi_sum = metrics.mi_metrics(cs["L_mean"], col, keys), metrics.mi_metrics(cs["L_sum"], col, keys)
     return {"token_entropy": cs["entropy"], "mi": mi["mi"], "mi_seq": mi_sum["mi"], "retrieval": mi["retrieval_acc"],
             "retrieval_chance": mi["retrieval_chance"], "h_cond": mi["h_cond"], "h_marg": mi["h_marg"],
@@ -566,7 +571,7 @@ def train_locked(cfg, out, quiet):
     if not quiet:
         paired = f" (of the same {len(pairs)} held-out tasks, {gained} newly solved and {lost} newly failed: sign test p = {summary['p_sign']:.2g})"
         print(f"done: eval success {summary['eval_start']:.3f} ({'warm ' * (cfg.model == 'tiny')}start) -> {final:.3f} after {summary['steps']} steps"
-              f"{paired * bool(pairs)}; {summary['skipped']} skipped updates; {summary['sec']:.0f}s; logs in {out}/log.jsonl"
+              f"{paired * bool(pairs)}; {summary['skipped']} skipped updates; {summary['sec']:.0f}s; {'logs in ' + out + '/log.jsonl' if rows else 'nothing logged (no steps)'}"
               f"{', the policy in ' + policy if os.path.isdir(policy) else ''}")
     return summary, model, tok
 

@@ -41,7 +41,7 @@ def flag_problem(cfg):
     rules += [(f, f">= {n}", getattr(c, f) >= n) for fs, n in ((ones, 1), (zeros, 0)) for f in fs]
     rules += [("group_size", ">= 2 (one sample has no group to be relative to: every advantage would be 0)", c.group_size >= 2),
               ("grad_clip", "> 0", c.grad_clip > 0), ("filter_p", "> 0", c.filter_p > 0), ("filter_k", "in (0, 1]", 0 < c.filter_k <= 1),
-              ("clip_low", "in [0, 1)", 0 <= c.clip_low < 1),
+              ("clip_low", "in [0, 1)", 0 <= c.clip_low < 1), ("seed", "in [0, 2**32)", 0 <= c.seed < 2**32),
               ("temperature", "> 0 (greedy samples of a group are all alike: no spread to learn from)", c.temperature > 0),
               ("name", "one folder name (no '/', not '.' or '..'): runs go under --out", c.name in ("", os.path.basename(c.name)) and c.name not in (".", "..")),
               ("tiny_dim", "a positive multiple of 8 (4 heads of even size)", c.tiny_dim > 0 and c.tiny_dim % 8 == 0)]
@@ -73,13 +73,22 @@ def flag_problem(cfg):
 
 
 def run_key(cfg):
-    """The settings that make a run what it is: its folder's name hashes them, and a resume must match them."""
-    return {k: v for k, v in asdict(cfg).items() if k not in ("demo", "bench", "device", "out", "name", "steps", "cache_dir")}
+    """The settings that make a run what it is: a resume must match them (--save-every may change between reruns)."""
+    skip = ("demo", "bench", "device", "out", "name", "steps", "cache_dir", "save_every")
+    return {k: v for k, v in asdict(cfg).items() if k not in skip}
+
+
+def defaults(cfg):
+    """Config's default settings: a setting missing from an older run's config.json had its default."""
+    return asdict(type(cfg)())
 
 
 def run_dir(cfg):
-    """OUT/<name>; the default name is <env>-<filter>-s<seed>-<hash of the settings>."""
-    tag = hashlib.sha1(json.dumps(run_key(cfg), sort_keys=True).encode()).hexdigest()[:6]
+    """OUT/<name>; the default name is <env>-<filter>-s<seed>-<hash of the settings that differ from the defaults>,
+    so a setting added to Config later (a fork's new flag) leaves the names of earlier runs as they were."""
+    default = defaults(cfg)
+    changed = {k: v for k, v in run_key(cfg).items() if v != default.get(k)}
+    tag = hashlib.sha1(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:6]
     return os.path.join(cfg.out, cfg.name or f"{cfg.env}-{cfg.filter}-s{cfg.seed}-{tag}")
 
 
@@ -97,7 +106,7 @@ def locked(out, wait=False):
             pass
         except OSError:  # main() prints it as one line; a demo worker hands it to its parent
             if not wait:
-                raise OSError(f"{out} is in use by another run of the same command (or pass --name)") from None
+                raise OSError(f"{out} is in use by another run of the same command (or pass another --name or --out)") from None
             print(f"waiting for another process to finish {out}")
             fcntl.flock(lock, fcntl.LOCK_EX)
         yield
@@ -132,7 +141,8 @@ def resume(cfg, out, device):
             raise FileExistsError(f"{cfg_path} is unreadable, so this run's settings cannot be checked: remove that "
                                   "file to resume with the settings you give, or the folder to start over") from None
         same = lambda k, a, b: a == b or k == "reg_scale_from" and bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
-        changed = sorted(k for k, v in run_key(cfg).items() if not same(k, old.get(k), v))  # (a path: however it is spelt)
+        was = defaults(cfg) | old  # a setting the older run did not record (added to Config since) had its default
+        changed = sorted(k for k, v in run_key(cfg).items() if not same(k, was.get(k), v))  # (a path: however it is spelt)
         if changed:
             raise FileExistsError(f"{out} holds a run made with other settings ({', '.join(changed)}): "
                                   "remove that folder to start over, or pass another --name or --out")

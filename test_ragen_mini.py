@@ -1135,6 +1135,18 @@ def test_diagnostics_score_each_reasoning_against_each_groups_first_prompt(tiny,
     assert seen["reasons"] == [tok(e["first_think"], add_special_tokens=False).input_ids for e in eps]
 
 
+def test_diagnostics_need_two_distinct_prompts_for_the_mi_proxies(tiny):
+    """With one distinct first prompt (--groups 1, or every group from the same start) there is no input to depend
+    on: the step logs the reasoning's token entropy and no MI proxies (they would read mi 0 and retrieval 1 = chance)."""
+    cfg, model, tok = tiny
+    torch.manual_seed(5)
+    for seeds in ([5], [5, 5]):
+        eps = rm.rollout(model, tok, cfg, seeds, 2, 1.0)
+        d = rm.diagnostics(model, tok, eps, 2, ZScoreEMA())
+        assert list(d) == ["token_entropy"] and d["token_entropy"] > 0, seeds
+    assert "mi" in rm.diagnostics(model, tok, rm.rollout(model, tok, cfg, [5, 6], 2, 1.0), 2, ZScoreEMA())
+
+
 def test_the_loop_trains_on_the_kept_groups_with_the_controls_scales(tmp_path, monkeypatch):
     """What the loop hands to update(): the episodes of the kept groups (whole groups, in order), their
     group-relative advantages, and in a control run the regulariser scale read from the other run's log."""
@@ -1187,11 +1199,12 @@ def test_reg_only_trains_on_the_regularisers_alone(tmp_path, monkeypatch):
     assert stats["loss"] == pytest.approx(-0.05 * stats["entropy"]) and stats["entropy"] > 0
 
 
-def test_a_resumed_run_continues_exactly(tmp_path):
+def test_a_resumed_run_continues_exactly(tmp_path, capsys):
     """Two steps in one go, or one step and then a rerun with --steps 2: the same second step (its log row,
     timing aside) and the same final weights, bit for bit (every step is seeded; the checkpoint holds the rest)."""
     args = SMALL + ["--cache-dir", str(tmp_path / "c"), "--kl-coef", "0.05", "--entropy-coeff", "0.01"]
-    _, start, _ = rm.train(rm.parse_args(args + ["--out", str(tmp_path / "zero"), "--steps", "0"]), quiet=True)
+    _, start, _ = rm.train(rm.parse_args(args + ["--out", str(tmp_path / "zero"), "--steps", "0"]))
+    assert "nothing logged (no steps)" in capsys.readouterr().out  # --steps 0 evaluates only: no log.jsonl to point to
     _, whole, _ = rm.train(rm.parse_args(args + ["--out", str(tmp_path / "whole")]), quiet=True)
     rm.train(rm.parse_args(args + ["--out", str(tmp_path / "cut"), "--steps", "1"]), quiet=True)
     _, resumed, _ = rm.train(rm.parse_args(args + ["--out", str(tmp_path / "cut")]), quiet=True)
@@ -1284,6 +1297,8 @@ def test_resume_drops_the_log_rows_after_its_checkpoint(tmp_path):
     (dict(env="countdown", max_turns=3, env_args='{"max_turns": 2}'), "give the turn limit once"),
     (dict(env_args='{"format_penalty": NaN}'), "format_penalty must be a finite number"),
     (dict(env_args='{"size": 2, "unsolvable_frac": 0.5}'), "unsolvable maps need size >= 3"),  # seed 0 fits; seed 1 did not
+    (dict(seed=10**20), "--seed must be in [0, 2**32)"), (dict(seed=-1), "--seed must be in [0, 2**32)"),  # torch.manual_seed overflowed
+    (dict(weight_decay=float("inf")), "--weight-decay must be a finite number"),
 ])
 def test_flag_rules(change, message):
     assert runfiles.flag_problem(rm.Config()) is None
@@ -1292,11 +1307,35 @@ def test_flag_rules(change, message):
 
 def test_every_setting_of_a_run_names_its_folder():
     """A run folder is resumed only by the settings that made it: each key of run_key changes the folder's name."""
-    base, plumbing = rm.Config(), {"demo", "bench", "device", "steps", "cache_dir"}  # how, how long, where the cache is
+    base, plumbing = rm.Config(), {"demo", "bench", "device", "steps", "cache_dir", "save_every"}  # how, how long, where
     other = {bool: lambda v: not v, int: lambda v: v + 1, float: lambda v: v * 2 + 0.1, str: lambda v: v + "x"}
     for f in (f for f in dataclasses.fields(base) if f.name not in ("out", "name")):  # those two are the folder
         changed = dataclasses.replace(base, **{f.name: other[f.type](getattr(base, f.name))})
         assert (runfiles.run_dir(changed) != runfiles.run_dir(base)) == (f.name not in plumbing), f.name
+
+
+def test_a_setting_added_to_config_keeps_earlier_runs_resumable(tmp_path):
+    """A fork that adds a field to Config (a new flag, at a default that keeps the old behaviour) finds its earlier
+    runs where they were, under the same name, and resumes them; set to another value, it is another run."""
+    @dataclasses.dataclass
+    class Forked(rm.Config):
+        length_penalty: float = 0.0
+
+    old, new = rm.Config(filter="snr", out=str(tmp_path)), Forked(filter="snr", out=str(tmp_path))
+    assert runfiles.run_dir(new) == runfiles.run_dir(old) != runfiles.run_dir(dataclasses.replace(new, length_penalty=0.1))
+    out = runfiles.run_dir(old)
+    os.makedirs(out)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(old), f)  # written before the field existed
+    runfiles.save_ckpt(os.path.join(out, "ckpt.pt"), step=1)
+    assert runfiles.resume(new, out, "cpu")["step"] == 1
+    assert runfiles.resume(dataclasses.replace(old, save_every=3), out, "cpu")["step"] == 1  # bookkeeping, not a setting
+    with pytest.raises(FileExistsError, match=r"other settings \(length_penalty\)"):
+        runfiles.resume(dataclasses.replace(new, length_penalty=0.1, name=os.path.basename(out)), out, "cpu")
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(old) | {"include_zero": False}, f)  # a default that changed since: not the same run
+    with pytest.raises(FileExistsError, match=r"other settings \(include_zero\)"):
+        runfiles.resume(old, out, "cpu")
 
 
 def run_cli(*args, timeout=400):
@@ -1653,6 +1692,29 @@ def test_interrupted_warm_start_resumes_to_the_same_model(tmp_path, monkeypatch)
     assert calls == []
 
 
+def test_an_edited_env_gets_its_own_warm_start(monkeypatch):
+    """The warm-start cache is keyed by the expert conversations' text as well as the settings: a fork that edits an
+    env's expert (or its observations, or how its turns go) builds a new warm start instead of loading the old one;
+    rewards alone do not change the expert data, and the key is the same in every process (no hash() of str)."""
+    import tiny
+    cfg = rm.parse_args([])
+    path = tiny.cache_path(cfg)
+    assert tiny.cache_path(rm.parse_args(["--env-args", '{"format_penalty": -0.5}'])) == path
+    assert len({tiny.cache_path(rm.parse_args(["--env", e])) for e in envs.ENVS}) == len(envs.ENVS)
+    real = envs.FrozenLake.expert
+    monkeypatch.setattr(envs.FrozenLake, "expert", lambda self: (real(self)[0] + " !", real(self)[1]))
+    assert tiny.cache_path(cfg) != path
+    monkeypatch.setattr(envs.FrozenLake, "expert", real)
+    render = envs.FrozenLake.render
+    monkeypatch.setattr(envs.FrozenLake, "render", lambda self: render(self).replace("O", "H"))
+    assert tiny.cache_path(cfg) != path
+    monkeypatch.setattr(envs.FrozenLake, "render", render)
+    assert tiny.cache_path(cfg) == path
+    r = subprocess.run([sys.executable, "-c", "import ragen_mini as rm, tiny; print(tiny.cache_path(rm.parse_args([])))"],
+                       capture_output=True, text=True, cwd=HERE, env=dict(os.environ, PYTHONHASHSEED="123"))
+    assert r.stdout.strip() == path, r.stderr
+
+
 def test_model_without_a_chat_template_gets_one_clear_line(tmp_path):
     model, tok = rm.load_policy(rm.parse_args(["--warmup-steps", "0", "--tiny-dim", "32", "--cache-dir", str(tmp_path)]), torch.device("cpu"))
     tok.chat_template = None  # e.g. a base model, not an instruct one
@@ -1661,7 +1723,7 @@ def test_model_without_a_chat_template_gets_one_clear_line(tmp_path):
     assert r.returncode != 0 and "chat template" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-def test_model_whose_logits_are_softcapped_is_refused_and_a_plain_one_loads(tiny, tmp_path):
+def test_model_whose_logits_are_softcapped_is_refused_and_a_plain_one_loads(tiny, tmp_path, capsys):
     """agent_logits() applies the LM head itself, so load_policy refuses a model whose forward changes the logits
     after it (Gemma 2's softcapping), and loads one whose forward does not (Llama, saved and read back)."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
@@ -1673,8 +1735,12 @@ def test_model_whose_logits_are_softcapped_is_refused_and_a_plain_one_loads(tiny
         m.save_pretrained(tmp_path / name); tok.save_pretrained(tmp_path / name)
     with pytest.raises(SystemExit, match="changes the logits after the LM head"):
         rm.load_policy(rm.parse_args(["--model", str(tmp_path / "gemma")]), torch.device("cpu"))
+    capsys.readouterr()
     loaded, _ = rm.load_policy(rm.parse_args(["--model", str(tmp_path / "llama")]), torch.device("cpu"))
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
+    assert "note: the env's 32 tokens a turn" in capsys.readouterr().out  # a real model's replies are longer
+    rm.load_policy(rm.parse_args(["--model", str(tmp_path / "llama"), "--max-new-tokens", "64"]), torch.device("cpu"))
+    assert "note" not in capsys.readouterr().out
 
 
 def test_model_folder_under_home_loads_with_a_tilde(tiny, tmp_path, monkeypatch):

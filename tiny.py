@@ -35,17 +35,31 @@ def expert_episode(env, seed, chat, max_turns):
     return ids, mask
 
 
+def cache_path(cfg):
+    """CACHE_DIR/tiny-<hash>: the settings that shape the warm start, and the text of a few expert conversations, so
+    that an env whose observations, expert or turns were edited builds a new warm start instead of loading the old."""
+    key = {k: getattr(cfg, k) for k in ("env", "max_turns", "tiny_dim", "tiny_layers", "warmup_steps", "warmup_lr")}
+    key |= {"version": 5, "env_args": json.dumps({k: v for k, v in json.loads(cfg.env_args).items()
+                                                  if k != "format_penalty"}, sort_keys=True)}  # rewards do not change expert data
+    env, text = rm.make_env(cfg), []
+    for seed in range(8):
+        obs = env.reset(seed)
+        for turn in range(1, env.max_turns + 1):
+            think, action = env.expert()
+            text += [rm.user_turn(turn, obs, env.max_turns - turn + 1), think, action]
+            obs, _, done, _ = env.step(action)
+            if done:
+                break
+    key["data"] = hashlib.sha1("\n".join([rm.SYSTEM, env.instruction] + text).encode()).hexdigest()
+    return os.path.join(os.path.expanduser(cfg.cache_dir), "tiny-" + hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10])
+
+
 def tiny_policy(cfg, device):
     """Build a byte-level BPE tokenizer and a small Llama from the env's own text, warm-start it on expert
     trajectories (supervised, loss on agent tokens only), cache both on disk keyed by the settings."""
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
-    key = {k: getattr(cfg, k) for k in ("env", "max_turns", "tiny_dim", "tiny_layers", "warmup_steps", "warmup_lr")}
-    key |= {"version": 5, "env_args": json.dumps({k: v for k, v in json.loads(cfg.env_args).items()
-                                                  if k != "format_penalty"}, sort_keys=True)}  # rewards do not change expert data
-    # one warm start, shared by every RL --seed
-    path = os.path.join(os.path.expanduser(cfg.cache_dir),
-                        "tiny-" + hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10])
+    path = cache_path(cfg)  # one warm start, shared by every RL --seed
     done = os.path.join(path, "model.safetensors")  # written last: its presence means the cache is complete
     if not os.path.exists(done):
         os.makedirs(path, exist_ok=True)  # an unwritable cache fails now, not after minutes of training
