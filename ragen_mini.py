@@ -198,8 +198,8 @@ def load_policy(cfg, device):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     if not cfg.max_new_tokens:
-        print(f"note: the env's {make_env(cfg).reply_tokens} tokens a turn fit the tiny model's replies; a real model's "
-              "reasoning is longer and is cut there (--max-new-tokens 128 gives it room)")
+        print(f"note: a turn gets the env's {make_env(cfg).reply_tokens} tokens (--max-new-tokens 0), sized for the tiny "
+              "model's replies: a model that reasons at length is cut there (--max-new-tokens 128 gives it room)")
     try:
         Chat(tok, "")  # it needs a chat template that closes assistant turns with EOS
     except ValueError as e:
@@ -320,7 +320,7 @@ def filter_groups(returns, mode="snr", p=0.9, k=0.25, score="std", include_zero=
     if mode == "none":
         return list(range(len(returns)))
     if mode == "topk":
-        order = order[:max(1, int(k * len(returns)))]
+        order = order[:max(1, int(k * len(returns) + 1e-9))]  # rounded down, as the reference (+1e-9: 0.29 * 100 = 28.999...)
     elif p < 1:
         cum, need = torch.cumsum(s[order], 0), p * s.sum() - 0.01
         order = order[:int((cum < need).sum()) + 1] if need > 0 else []  # need <= 0: the empty prefix reaches it

@@ -828,6 +828,7 @@ def test_filter_top_p_rule():
     assert rm.filter_groups(R, "snr", p=0.9, score="var") == [2]  # variance concentrates on the biggest spread
     six = torch.tensor([[0.0, float(g + 1)] for g in range(6)])  # six groups with spread, the last the widest
     assert rm.filter_groups(six, "topk", k=0.25) == [5]  # int(0.25 * 6) = 1 group, as the reference code counts
+    assert len(rm.filter_groups(torch.tensor([[0.0, 1.0]] * 100), "topk", k=0.29)) == 29  # not 28 (0.29 * 100 = 28.999...)
 
 
 def test_filter_keeps_nothing_when_no_group_has_spread():
@@ -1299,6 +1300,7 @@ def test_resume_drops_the_log_rows_after_its_checkpoint(tmp_path):
     (dict(env_args='{"size": 2, "unsolvable_frac": 0.5}'), "unsolvable maps need size >= 3"),  # seed 0 fits; seed 1 did not
     (dict(seed=10**20), "--seed must be in [0, 2**32)"), (dict(seed=-1), "--seed must be in [0, 2**32)"),  # torch.manual_seed overflowed
     (dict(weight_decay=float("inf")), "--weight-decay must be a finite number"),
+    (dict(lr=1e-3, weight_decay=1000.0), "--weight-decay must be < 1 / --lr"),
 ])
 def test_flag_rules(change, message):
     assert runfiles.flag_problem(rm.Config()) is None
@@ -1694,25 +1696,29 @@ def test_interrupted_warm_start_resumes_to_the_same_model(tmp_path, monkeypatch)
 
 def test_an_edited_env_gets_its_own_warm_start(monkeypatch):
     """The warm-start cache is keyed by the expert conversations' text as well as the settings: a fork that edits an
-    env's expert (or its observations, or how its turns go) builds a new warm start instead of loading the old one;
-    rewards alone do not change the expert data, and the key is the same in every process (no hash() of str)."""
+    env's expert, its observations or its rewards (shown to the agent as "Reward: x" in the next turn) builds a new
+    warm start instead of loading the old one; the format penalty, which the expert never earns, does not; and the key
+    is the same in every process (no hash() of a str)."""
     import tiny
-    cfg = rm.parse_args([])
-    path = tiny.cache_path(cfg)
+    cfg, soko = rm.parse_args([]), rm.parse_args(["--env", "sokoban"])
+    path, soko_path = tiny.cache_path(cfg), tiny.cache_path(soko)
     assert tiny.cache_path(rm.parse_args(["--env-args", '{"format_penalty": -0.5}'])) == path
-    assert len({tiny.cache_path(rm.parse_args(["--env", e])) for e in envs.ENVS}) == len(envs.ENVS)
-    real = envs.FrozenLake.expert
-    monkeypatch.setattr(envs.FrozenLake, "expert", lambda self: (real(self)[0] + " !", real(self)[1]))
-    assert tiny.cache_path(cfg) != path
-    monkeypatch.setattr(envs.FrozenLake, "expert", real)
-    render = envs.FrozenLake.render
-    monkeypatch.setattr(envs.FrozenLake, "render", lambda self: render(self).replace("O", "H"))
-    assert tiny.cache_path(cfg) != path
-    monkeypatch.setattr(envs.FrozenLake, "render", render)
-    assert tiny.cache_path(cfg) == path
-    r = subprocess.run([sys.executable, "-c", "import ragen_mini as rm, tiny; print(tiny.cache_path(rm.parse_args([])))"],
-                       capture_output=True, text=True, cwd=HERE, env=dict(os.environ, PYTHONHASHSEED="123"))
-    assert r.stdout.strip() == path, r.stderr
+    edits = [(envs.FrozenLake, "expert", lambda real: lambda self: (real(self)[0] + " !", real(self)[1])),
+             (envs.FrozenLake, "render", lambda real: lambda self: real(self).replace("O", "H"))]
+    for cls, name, edit in edits:
+        real = getattr(cls, name)
+        monkeypatch.setattr(cls, name, edit(real))
+        assert tiny.cache_path(cfg) != path, name
+        monkeypatch.setattr(cls, name, real)
+    real_apply = envs.Sokoban._apply
+    monkeypatch.setattr(envs.Sokoban, "_apply", lambda self, a: (lambda r: r if r is None else r - 0.1)(real_apply(self, a)))
+    assert tiny.cache_path(soko) != soko_path  # a dearer move: the same moves, other "Reward:" lines
+    monkeypatch.setattr(envs.Sokoban, "_apply", real_apply)
+    assert tiny.cache_path(cfg) == path and tiny.cache_path(soko) == soko_path
+    code = "import ragen_mini as rm, tiny, envs; print([tiny.cache_path(rm.parse_args(['--env', e])) for e in sorted(envs.ENVS)])"
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE,
+                           env=dict(os.environ, PYTHONHASHSEED=seed)).stdout for seed in ("1", "123")]
+    assert runs[0] == runs[1] and path in runs[0] and soko_path in runs[0], runs
 
 
 def test_model_without_a_chat_template_gets_one_clear_line(tmp_path):
@@ -1738,7 +1744,7 @@ def test_model_whose_logits_are_softcapped_is_refused_and_a_plain_one_loads(tiny
     capsys.readouterr()
     loaded, _ = rm.load_policy(rm.parse_args(["--model", str(tmp_path / "llama")]), torch.device("cpu"))
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
-    assert "note: the env's 32 tokens a turn" in capsys.readouterr().out  # a real model's replies are longer
+    assert "note: a turn gets the env's 32 tokens" in capsys.readouterr().out  # a real model's replies are longer
     rm.load_policy(rm.parse_args(["--model", str(tmp_path / "llama"), "--max-new-tokens", "64"]), torch.device("cpu"))
     assert "note" not in capsys.readouterr().out
 

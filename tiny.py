@@ -19,38 +19,39 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def expert_episode(env, seed, chat, max_turns):
-    """One expert conversation as (tokens, agent mask): the warm-start data."""
-    obs, ids, mask = env.reset(seed), [], []
-    user, reward = rm.user_turn(1, obs, max_turns), None
+def expert_turns(env, seed, max_turns):
+    """One expert conversation as text, [(user message, think, action)] a turn: the warm-start data, and its cache key."""
+    obs, turns = env.reset(seed), []
+    user = rm.user_turn(1, obs, max_turns)
     for turn in range(1, max_turns + 1):
-        prompt = chat.first(user) if turn == 1 else chat.next(user)
         think, action = env.expert()
-        reply = chat.encode(f" {think} </think> <answer> {action} </answer>") + [chat.tok.eos_token_id]
-        ids, mask = ids + prompt + reply, mask + [0] * len(prompt) + [1] * len(reply)
+        turns.append((user, think, action))
         obs, reward, done, _ = env.step(action)
         if done:
             break
         user = rm.user_turn(turn + 1, obs, max_turns - turn, reward)
+    return turns
+
+
+def expert_episode(env, seed, chat, max_turns):
+    """One expert conversation as (tokens, agent mask)."""
+    ids, mask = [], []
+    for turn, (user, think, action) in enumerate(expert_turns(env, seed, max_turns)):
+        prompt = chat.first(user) if turn == 0 else chat.next(user)
+        reply = chat.encode(f" {think} </think> <answer> {action} </answer>") + [chat.tok.eos_token_id]
+        ids, mask = ids + prompt + reply, mask + [0] * len(prompt) + [1] * len(reply)
     return ids, mask
 
 
 def cache_path(cfg):
     """CACHE_DIR/tiny-<hash>: the settings that shape the warm start, and the text of a few expert conversations, so
-    that an env whose observations, expert or turns were edited builds a new warm start instead of loading the old."""
+    that an env whose observations, expert, rewards or turns were edited builds a new warm start, not loads the old."""
     key = {k: getattr(cfg, k) for k in ("env", "max_turns", "tiny_dim", "tiny_layers", "warmup_steps", "warmup_lr")}
     key |= {"version": 5, "env_args": json.dumps({k: v for k, v in json.loads(cfg.env_args).items()
-                                                  if k != "format_penalty"}, sort_keys=True)}  # rewards do not change expert data
-    env, text = rm.make_env(cfg), []
-    for seed in range(8):
-        obs = env.reset(seed)
-        for turn in range(1, env.max_turns + 1):
-            think, action = env.expert()
-            text += [rm.user_turn(turn, obs, env.max_turns - turn + 1), think, action]
-            obs, _, done, _ = env.step(action)
-            if done:
-                break
-    key["data"] = hashlib.sha1("\n".join([rm.SYSTEM, env.instruction] + text).encode()).hexdigest()
+                                                  if k != "format_penalty"}, sort_keys=True)}  # the expert's actions are all valid
+    env = rm.make_env(cfg)
+    text = [rm.SYSTEM, env.instruction] + [x for seed in range(8) for t in expert_turns(env, seed, env.max_turns) for x in t]
+    key["data"] = hashlib.sha1("\n".join(text).encode()).hexdigest()
     return os.path.join(os.path.expanduser(cfg.cache_dir), "tiny-" + hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10])
 
 
