@@ -997,7 +997,6 @@ def test_weight_decay_is_a_regulariser_the_control_run_scales(tiny):
         rm.update(m, None, opt, seqs, adv, cfg, scale)
         assert opt.param_groups[0]["weight_decay"] == 0.5 * scale
         assert torch.allclose(m.model.norm.weight, w0 * (1 - 0.1 * 0.5 * scale))  # zero gradient: AdamW's step is 0
-    assert "--weight-decay must be >= 0" in runfiles.flag_problem(dataclasses.replace(cfg, weight_decay=-0.1))
 
 
 def test_a_non_finite_later_ppo_epoch_keeps_the_steps_before_it(tiny, monkeypatch):
@@ -1299,7 +1298,7 @@ def test_resume_drops_the_log_rows_after_its_checkpoint(tmp_path):
     (dict(env_args='{"format_penalty": NaN}'), "format_penalty must be a finite number"),
     (dict(env_args='{"size": 2, "unsolvable_frac": 0.5}'), "unsolvable maps need size >= 3"),  # seed 0 fits; seed 1 did not
     (dict(seed=10**20), "--seed must be in [0, 2**32)"), (dict(seed=-1), "--seed must be in [0, 2**32)"),  # torch.manual_seed overflowed
-    (dict(weight_decay=float("inf")), "--weight-decay must be a finite number"),
+    (dict(weight_decay=-0.1), "--weight-decay must be >= 0"), (dict(weight_decay=float("inf")), "--weight-decay must be a finite number"),
     (dict(lr=1e-3, weight_decay=1000.0), "--weight-decay must be < 1 / --lr"),
 ])
 def test_flag_rules(change, message):
