@@ -556,24 +556,7 @@ def train_locked(cfg, out, quiet):
         if (step + 1) % cfg.save_every == 0 or step == cfg.steps - 1:
             runfiles.save_ckpt(ckpt, model=model.state_dict(), opt=opt.state_dict(), ema=ema.state_dict(), step=step + 1,
                       state=state, ref=ref.state_dict() if ref is not None else None)
-    policy = os.path.join(out, "model")  # the trained policy as a Hugging Face folder: --model OUT/<name>/model
-    if cfg.steps and not os.path.isdir(policy):  # resume() removed it if this run trained: a finished run keeps it
-        problem = runfiles.export(model, tok, policy)
-        if problem:
-            print(f"note: {problem}: no {policy} folder; the trained weights are in {ckpt}")
-    rows = runfiles.read_log(log_path)
-    final = next((r["eval_success"] for r in reversed(rows) if "eval_success" in r), state["eval0"])
-    pairs = list(zip(state.get("maps0", []), state.get("maps", [])))  # the same held-out maps, before and after
-    gained, lost = sum(b and not a for a, b in pairs), sum(a and not b for a, b in pairs)
-    summary = dict(out=out, eval_start=state["eval0"], eval_final=final, alarm=state["alarm"], steps=len(rows),
-                   skipped=sum(r.get("skipped", 0) for r in rows), sec=sum(r["sec"] for r in rows),
-                   gained=gained, lost=lost, p_sign=metrics.sign_test(gained, lost))
-    if not quiet:
-        paired = f" (of the same {len(pairs)} held-out tasks, {gained} newly solved and {lost} newly failed: sign test p = {summary['p_sign']:.2g})"
-        print(f"done: eval success {summary['eval_start']:.3f} ({'warm ' * (cfg.model == 'tiny')}start) -> {final:.3f} after {summary['steps']} steps"
-              f"{paired * bool(pairs)}; {summary['skipped']} skipped updates; {summary['sec']:.0f}s; {'logs in ' + out + '/log.jsonl' if rows else 'nothing logged (no steps)'}"
-              f"{', the policy in ' + policy if os.path.isdir(policy) else ''}")
-    return summary, model, tok
+    return runfiles.finish(cfg, out, model, tok, state, quiet), model, tok  # export the policy, sum up, the done line
 
 
 def main(argv=None):

@@ -1,5 +1,6 @@
-"""Run folders: where a run's settings, log and checkpoints live, so that rerunning a command resumes it; and the
-checks of those settings that the command line makes before any work starts.
+"""Run folders: where a run's settings, log and checkpoints live, so that rerunning a command resumes it; what a
+run leaves at its end (the exported policy, the summary); and the checks of its settings that the command line
+makes before any work starts.
 
 Plumbing for the loop in ragen_mini.py, kept apart so that file reads as the algorithm. A run is the folder
 OUT/<name>/ holding config.json (its settings), log.jsonl (one JSON row per step), ckpt.pt (weights, optimizer,
@@ -12,6 +13,7 @@ from dataclasses import asdict
 import torch
 
 import envs
+import metrics
 
 
 def flag_problem(cfg):
@@ -200,3 +202,27 @@ def export(model, tok, path):
     shutil.rmtree(path, ignore_errors=True)
     os.replace(path + ".tmp", path)
     return None
+
+
+def finish(cfg, out, model, tok, state, quiet=False):
+    """The end of a run: export the trained policy (OUT/<name>/model), sum up its log, and compare the last
+    evaluation with the start's on the same held-out maps (how many each way, exact sign test). -> the summary;
+    prints the done line unless quiet."""
+    policy, log_path = os.path.join(out, "model"), os.path.join(out, "log.jsonl")
+    if cfg.steps and not os.path.isdir(policy):  # resume() removed it if this run trained: a finished run keeps it
+        problem = export(model, tok, policy)
+        if problem:
+            print(f"note: {problem}: no {policy} folder; the trained weights are in {os.path.join(out, 'ckpt.pt')}")
+    rows = read_log(log_path)
+    final = next((r["eval_success"] for r in reversed(rows) if "eval_success" in r), state["eval0"])
+    pairs = list(zip(state.get("maps0", []), state.get("maps", [])))  # the same held-out maps, before and after
+    gained, lost = sum(b and not a for a, b in pairs), sum(a and not b for a, b in pairs)
+    summary = dict(out=out, eval_start=state["eval0"], eval_final=final, alarm=state["alarm"], steps=len(rows),
+                   skipped=sum(r.get("skipped", 0) for r in rows), sec=sum(r["sec"] for r in rows),
+                   gained=gained, lost=lost, p_sign=metrics.sign_test(gained, lost))
+    if not quiet:
+        paired = f" (of the same {len(pairs)} held-out tasks, {gained} newly solved and {lost} newly failed: sign test p = {summary['p_sign']:.2g})"
+        print(f"done: eval success {summary['eval_start']:.3f} ({'warm ' * (cfg.model == 'tiny')}start) -> {final:.3f} after {summary['steps']} steps"
+              f"{paired * bool(pairs)}; {summary['skipped']} skipped updates; {summary['sec']:.0f}s; {'logs in ' + log_path if rows else 'nothing logged (no steps)'}"
+              f"{', the policy in ' + policy if os.path.isdir(policy) else ''}")
+    return summary

@@ -1349,6 +1349,15 @@ SMALL = ["--steps", "2", "--groups", "4", "--group-size", "4", "--warmup-steps",
          "--diag-every", "1", "--save-every", "1", "--max-turns", "2"]
 
 
+def test_the_done_line_counts_the_held_out_maps_each_way(tmp_path, capsys):
+    """The end of a run compares the last evaluation with the start's on the same maps: how many were newly solved,
+    how many newly failed, and the sign test on them."""
+    state = {"eval0": 0.4, "alarm": False, "maps0": [True, False, False, True, False], "maps": [True, True, True, False, False]}
+    s = runfiles.finish(rm.parse_args(["--steps", "0"]), str(tmp_path), None, None, state)
+    assert (s["gained"], s["lost"], s["p_sign"], s["eval_final"]) == (2, 1, 1.0, 0.4)
+    assert "of the same 5 held-out tasks, 2 newly solved and 1 newly failed" in capsys.readouterr().out
+
+
 def test_cli_end_to_end_and_resume(tmp_path):
     args = SMALL + ["--filter", "snr", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "cache"), "--gradnorm-every", "1"]
     assert runfiles.run_dir(rm.parse_args(args)) == runfiles.run_dir(rm.parse_args(args + ["--cache-dir", "/elsewhere"]))  # where the warm start is cached does not define the run
