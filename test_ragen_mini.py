@@ -1260,6 +1260,21 @@ def test_a_resumed_run_continues_exactly(tmp_path, capsys):
     assert not all(torch.equal(p, start.get_parameter(k)) for k, p in whole.named_parameters())  # it trained
 
 
+def test_each_step_and_each_seed_draws_its_own_sampling_noise(tmp_path, monkeypatch):
+    """The loop seeds torch per step from (--seed, step): a resumed run continues exactly, and no two steps or two
+    --seed values sample with the same noise (a constant seed would pass the resume test and quietly correlate every
+    step's samples)."""
+    drawn, rollout = [], rm.rollout
+    def spy(model, tok, cfg, seeds, group_size, temperature):
+        if group_size > 1:  # the training rollouts (evaluation plays one sample a map, with its own fixed seed)
+            drawn.append(torch.initial_seed())
+        return rollout(model, tok, cfg, seeds, group_size, temperature)
+    monkeypatch.setattr(rm, "rollout", spy)
+    for seed in ("0", "1"):
+        rm.train(rm.parse_args(SMALL + ["--seed", seed, "--out", str(tmp_path), "--cache-dir", str(tmp_path / "c")]), quiet=True)
+    assert len(drawn) == 4 and len(set(drawn)) == 4
+
+
 @pytest.mark.parametrize("readings, fires", [
     ([(1.0, 2.0), (0.49, 1.62)], True),  # MI below half its start while entropy holds (>= 80%): template collapse
     ([(1.0, 2.0), (0.51, 2.0)], False),  # MI fell, not below half
