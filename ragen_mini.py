@@ -577,8 +577,11 @@ def main(argv=None):
         where = demo.demo_dir(cfg) if cfg.demo else runfiles.run_dir(cfg)
         sys.exit(f"\ninterrupted: rerun the same command to resume from the last checkpoint{'s' * cfg.demo} in {where}"
                  " (a warm start cut short resumes from its own, in --cache-dir)")
-    except OSError as e:  # unknown model path / hub id with no network, unreadable run folder
-        sys.exit(f"error: {e.__class__.__name__}: {(str(e).splitlines() or [repr(e)])[0]}")
+    except Exception as e:  # a model path or hub id that fails, a damaged run folder or cache, an overflowing flag
+        if os.environ.get("RAGEN_MINI_TRACEBACK"):
+            raise
+        hint = "" if isinstance(e, OSError) else " (RAGEN_MINI_TRACEBACK=1 shows where)"
+        sys.exit(f"error: {e.__class__.__name__}: {(str(e).splitlines() or [repr(e)])[0]}{hint}")
 
 
 if __name__ == "__main__":

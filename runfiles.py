@@ -135,14 +135,20 @@ def resume(cfg, out, device):
     config.json, and -> the last checkpoint (a dict), or None for a fresh start. The log keeps only the rows
     written before that checkpoint (a fresh start removes it)."""
     cfg_path, ckpt, log = (os.path.join(out, f) for f in ("config.json", "ckpt.pt", "log.jsonl"))
-    if os.path.exists(ckpt) and os.path.exists(cfg_path):  # resume only the run these settings started (--name, demo)
+    if os.path.exists(ckpt) and not os.path.exists(cfg_path):  # its settings cannot be checked: never load it blind
+        raise FileExistsError(f"{out} holds a checkpoint but no config.json, so its settings cannot be checked: "
+                              "remove that folder to start over, or pass another --name or --out")
+    if os.path.exists(os.path.join(out, "model")) and not os.path.exists(ckpt):  # a finished run lost its checkpoint
+        raise FileExistsError(f"{out} holds an exported policy but no ckpt.pt: a fresh start would overwrite that run; "
+                              "remove that folder to start over, or pass another --name or --out")
+    if os.path.exists(cfg_path) and (os.path.exists(ckpt) or os.path.exists(log)):  # resume only the run these settings started
         try:
             with open(cfg_path) as f:
                 old = json.load(f)
             assert isinstance(old, dict)
         except (ValueError, AssertionError):  # cut mid-write by a crash of an older version (it is written whole now)
-            raise FileExistsError(f"{cfg_path} is unreadable, so this run's settings cannot be checked: remove that "
-                                  "file to resume with the settings you give, or the folder to start over") from None
+            raise FileExistsError(f"{cfg_path} is unreadable, so this run's settings cannot be checked: remove "
+                                  "that folder to start over, or pass another --name or --out") from None
         same = lambda k, a, b: a == b or k == "reg_scale_from" and bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
         was = defaults(cfg) | old  # a setting the older run did not record (added to Config since) had its default
         changed = sorted(k for k, v in run_key(cfg).items() if not same(k, was.get(k), v))  # (a path: however it is spelt)
@@ -152,7 +158,11 @@ def resume(cfg, out, device):
     with open(cfg_path + ".tmp", "w") as f:
         json.dump(asdict(cfg), f, indent=1)
     os.replace(cfg_path + ".tmp", cfg_path)  # atomic: a kill mid-write never leaves a half file that blocks the resume
-    c = torch.load(ckpt, map_location=device, weights_only=False) if os.path.exists(ckpt) else None
+    try:
+        c = torch.load(ckpt, map_location=device, weights_only=False) if os.path.exists(ckpt) else None
+        assert c is None or isinstance(c, dict) and isinstance(c.get("step"), int)
+    except Exception as e:  # garbage, cut short, not ours: say which file, not a pickle traceback
+        raise FileExistsError(f"{ckpt} is unreadable ({e.__class__.__name__}): remove that folder to start over") from None
     if c is None or c["step"] < cfg.steps:  # a run that will train: the policy a shorter run exported goes now, so
         shutil.rmtree(os.path.join(out, "model"), ignore_errors=True)  # it can never pass for this run's
     if c is None:

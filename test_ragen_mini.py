@@ -1319,6 +1319,45 @@ def test_resume_refuses_an_unreadable_config_in_one_line(tmp_path):
             runfiles.resume(cfg, out, "cpu")
 
 
+def test_a_damaged_run_folder_is_refused_never_overwritten(tmp_path):
+    """A finished run whose ckpt.pt was deleted used to restart silently over its log and exported policy; a
+    checkpoint without config.json was loaded unchecked (and its config rewritten); a corrupt checkpoint was a
+    pickle traceback. Each is now refused with one line, and nothing in the folder is removed."""
+    cfg = rm.parse_args(["--out", str(tmp_path)])
+    out = runfiles.run_dir(cfg)
+    os.makedirs(os.path.join(out, "model"))
+    runfiles.write_log(os.path.join(out, "log.jsonl"), [{"step": 0}])
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f)
+    with pytest.raises(FileExistsError, match="exported policy but no ckpt.pt"):
+        runfiles.resume(cfg, out, "cpu")
+    os.rmdir(os.path.join(out, "model"))
+    with pytest.raises(FileExistsError, match=r"other settings \(lr\)"):  # a log, no checkpoint: still checked
+        runfiles.resume(dataclasses.replace(cfg, lr=1e-3), out, "cpu")
+    for junk in (b"", b"\x80garbage", b"PK\x03\x04cut"):
+        with open(os.path.join(out, "ckpt.pt"), "wb") as f:
+            f.write(junk)
+        with pytest.raises(FileExistsError, match="ckpt.pt is unreadable"):
+            runfiles.resume(cfg, out, "cpu")
+    os.remove(os.path.join(out, "config.json"))
+    with pytest.raises(FileExistsError, match="a checkpoint but no config.json"):
+        runfiles.resume(cfg, out, "cpu")
+    assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"] and runfiles.read_log(os.path.join(out, "log.jsonl"))
+
+
+def test_any_other_error_is_one_line(tmp_path, monkeypatch, capsys):
+    """An error main() has no message for (here AdamW overflowing on --lr 1e39) ends in one line, not a traceback."""
+    def overflow(cfg, quiet=False):
+        raise RuntimeError("value cannot be converted to type float without overflow\nmore")
+    monkeypatch.setattr(rm, "train", overflow)
+    monkeypatch.delenv("RAGEN_MINI_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit, match=r"^error: RuntimeError: value cannot be converted .* overflow \(RAGEN_MINI_TRACEBACK"):
+        rm.main(["--out", str(tmp_path)])
+    monkeypatch.setenv("RAGEN_MINI_TRACEBACK", "1")
+    with pytest.raises(RuntimeError):
+        rm.main(["--out", str(tmp_path)])
+
+
 def test_resume_takes_the_control_runs_log_path_however_it_is_spelt(tmp_path, monkeypatch):
     """The demo's control run (c) keeps (b)'s log path as a setting: a rerun with `--out ./runs` or an absolute --out
     resumes it (it used to be refused as "other settings", and the message said to remove the finished run)."""
@@ -1338,6 +1377,7 @@ def test_resume_drops_the_log_rows_after_its_checkpoint(tmp_path):
     cfg = rm.parse_args(["--out", str(tmp_path)])
     out = runfiles.run_dir(cfg)
     os.makedirs(out)
+    assert runfiles.resume(cfg, out, "cpu") is None  # a fresh start writes config.json
     runfiles.write_log(os.path.join(out, "log.jsonl"), [{"step": k, "success": 0.5} for k in range(5)])
     runfiles.save_ckpt(os.path.join(out, "ckpt.pt"), step=3)
     assert runfiles.resume(cfg, out, "cpu")["step"] == 3
