@@ -47,7 +47,8 @@ def flag_problem(cfg):
               ("weight_decay", "< 1 / --lr (AdamW scales each weight by 1 - lr * weight_decay a step)", c.lr * c.weight_decay < 1),
               ("temperature", "> 0 (greedy samples of a group are all alike: no spread to learn from)", c.temperature > 0),
               ("name", "one folder name (no '/', not '.' or '..'): runs go under --out", c.name in ("", os.path.basename(c.name)) and c.name not in (".", "..")),
-              ("tiny_dim", "a positive multiple of 8 (4 heads of even size)", c.tiny_dim > 0 and c.tiny_dim % 8 == 0)]
+              ("tiny_dim", "a positive multiple of 8 (4 heads of even size)", c.tiny_dim > 0 and c.tiny_dim % 8 == 0),
+              ("bench", "left out with --demo (one job a command)", not (c.demo and c.bench))]
     bad = {}
     for f, need, ok in rules:  # the first unmet requirement of each flag
         if not ok:
@@ -187,6 +188,8 @@ def kept_fractions(path, steps=None):
         scales = {}
     if not scales:
         raise ValueError(f"{path} is not a run's log.jsonl (one JSON row per step, with step and kept_frac)")
+    if not all(0 <= v <= 1 for v in scales.values()):  # NaN fails too: a scale is a fraction of the groups
+        raise ValueError(f"{path} has a kept_frac outside [0, 1]: not a run's log")
     if steps is not None and not set(range(steps)) <= set(scales):
         raise ValueError(f"{path} holds the kept fractions of {len(scales)} steps, not of all {steps}: has its run ended?")
     return scales

@@ -645,6 +645,10 @@ def test_kept_fractions_read_a_log_or_refuse_it(tmp_path):
     assert runfiles.kept_fractions(good, steps=2) == {0: 0.25, 1: 1.0}
     with pytest.raises(ValueError, match="not of all 3: has its run ended"):  # a log cut short: no silent 1 for step 2
         runfiles.kept_fractions(good, steps=3)
+    for v in ("NaN", "-1e30", "1.5"):  # a NaN scale would skip every update as "non-finite" without naming the file
+        (tmp_path / "odd").write_text('{"step": 0, "kept_frac": %s}\n' % v)
+        with pytest.raises(ValueError, match="kept_frac outside"):
+            runfiles.kept_fractions(tmp_path / "odd")
 
 
 def test_sign_test_closed_form():
@@ -1400,6 +1404,7 @@ def test_resume_drops_the_log_rows_after_its_checkpoint(tmp_path):
     (dict(seed=10**20), "--seed must be in [0, 2**32)"), (dict(seed=-1), "--seed must be in [0, 2**32)"),  # torch.manual_seed overflowed
     (dict(weight_decay=-0.1), "--weight-decay must be >= 0"), (dict(weight_decay=float("inf")), "--weight-decay must be a finite number"),
     (dict(lr=1e-3, weight_decay=1000.0), "--weight-decay must be < 1 / --lr"),
+    (dict(demo=True, bench=True), "--bench must be left out with --demo"),  # it ran the demo without a word
 ])
 def test_flag_rules(change, message):
     assert runfiles.flag_problem(rm.Config()) is None
