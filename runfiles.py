@@ -135,37 +135,34 @@ def resume(cfg, out, device):
     """Open OUT for a run of these settings: refuse a folder that holds a run of other settings, write
     config.json, and -> the last checkpoint (a dict), or None for a fresh start. The log keeps only the rows
     written before that checkpoint (a fresh start removes it)."""
-    cfg_path, ckpt, log = (os.path.join(out, f) for f in ("config.json", "ckpt.pt", "log.jsonl"))
-    if os.path.exists(ckpt) and not os.path.exists(cfg_path):  # its settings cannot be checked: never load it blind
-        raise FileExistsError(f"{out} holds a checkpoint but no config.json, so its settings cannot be checked: "
-                              "remove that folder to start over, or pass another --name or --out")
-    if os.path.exists(os.path.join(out, "model")) and not os.path.exists(ckpt):  # a finished run lost its checkpoint
-        raise FileExistsError(f"{out} holds an exported policy but no ckpt.pt: a fresh start would overwrite that run; "
-                              "remove that folder to start over, or pass another --name or --out")
-    if os.path.exists(cfg_path) and (os.path.exists(ckpt) or os.path.exists(log)):  # resume only the run these settings started
+    cfg_path, ckpt, log, policy = (os.path.join(out, f) for f in ("config.json", "ckpt.pt", "log.jsonl", "model"))
+    has_ckpt, remedy = os.path.exists(ckpt), "remove that folder to start over, or pass another --name or --out"
+    if has_ckpt and not os.path.exists(cfg_path):  # its settings cannot be checked: never load it blind
+        raise FileExistsError(f"{out} holds a checkpoint but no config.json, so its settings cannot be checked: {remedy}")
+    if os.path.exists(policy) and not has_ckpt:  # a finished run lost its checkpoint
+        raise FileExistsError(f"{out} holds an exported policy but no ckpt.pt: a fresh start would overwrite that run; {remedy}")
+    if os.path.exists(cfg_path) and (has_ckpt or os.path.exists(log)):  # resume only the run these settings started
         try:
             with open(cfg_path) as f:
                 old = json.load(f)
             assert isinstance(old, dict)
         except (ValueError, AssertionError):  # cut mid-write by a crash of an older version (it is written whole now)
-            raise FileExistsError(f"{cfg_path} is unreadable, so this run's settings cannot be checked: remove "
-                                  "that folder to start over, or pass another --name or --out") from None
+            raise FileExistsError(f"{cfg_path} is unreadable, so this run's settings cannot be checked: {remedy}") from None
         same = lambda k, a, b: a == b or k == "reg_scale_from" and bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
         was = defaults(cfg) | old  # a setting the older run did not record (added to Config since) had its default
         changed = sorted(k for k, v in run_key(cfg).items() if not same(k, was.get(k), v))  # (a path: however it is spelt)
         if changed:
-            raise FileExistsError(f"{out} holds a run made with other settings ({', '.join(changed)}): "
-                                  "remove that folder to start over, or pass another --name or --out")
+            raise FileExistsError(f"{out} holds a run made with other settings ({', '.join(changed)}): {remedy}")
+    try:  # read before anything in the folder is written: a refused folder is left as it was
+        c = torch.load(ckpt, map_location=device, weights_only=False) if has_ckpt else None
+        assert c is None or isinstance(c, dict) and isinstance(c.get("step"), int)
+    except Exception as e:  # garbage, cut short, not ours: say which file, not a pickle traceback
+        raise FileExistsError(f"{ckpt} is unreadable ({e.__class__.__name__}): {remedy}") from None
     with open(cfg_path + ".tmp", "w") as f:
         json.dump(asdict(cfg), f, indent=1)
     os.replace(cfg_path + ".tmp", cfg_path)  # atomic: a kill mid-write never leaves a half file that blocks the resume
-    try:
-        c = torch.load(ckpt, map_location=device, weights_only=False) if os.path.exists(ckpt) else None
-        assert c is None or isinstance(c, dict) and isinstance(c.get("step"), int)
-    except Exception as e:  # garbage, cut short, not ours: say which file, not a pickle traceback
-        raise FileExistsError(f"{ckpt} is unreadable ({e.__class__.__name__}): remove that folder to start over") from None
     if c is None or c["step"] < cfg.steps:  # a run that will train: the policy a shorter run exported goes now, so
-        shutil.rmtree(os.path.join(out, "model"), ignore_errors=True)  # it can never pass for this run's
+        shutil.rmtree(policy, ignore_errors=True)  # it can never pass for this run's
     if c is None:
         if os.path.exists(log):
             os.remove(log)

@@ -1343,13 +1343,15 @@ def test_a_damaged_run_folder_is_refused_never_overwritten(tmp_path):
             f.write(junk)
         with pytest.raises(FileExistsError, match="ckpt.pt is unreadable"):
             runfiles.resume(cfg, out, "cpu")
+    with open(os.path.join(out, "config.json")) as f:  # read before any write: not even config.json was rewritten
+        assert f.read() == json.dumps(dataclasses.asdict(cfg))
     os.remove(os.path.join(out, "config.json"))
     with pytest.raises(FileExistsError, match="a checkpoint but no config.json"):
         runfiles.resume(cfg, out, "cpu")
     assert sorted(os.listdir(out)) == ["ckpt.pt", "log.jsonl"] and runfiles.read_log(os.path.join(out, "log.jsonl"))
 
 
-def test_any_other_error_is_one_line(tmp_path, monkeypatch, capsys):
+def test_any_other_error_is_one_line(tmp_path, monkeypatch):
     """An error main() has no message for (here AdamW overflowing on --lr 1e39) ends in one line, not a traceback."""
     def overflow(cfg, quiet=False):
         raise RuntimeError("value cannot be converted to type float without overflow\nmore")
