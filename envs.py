@@ -60,6 +60,7 @@ def step_reply(env, reply, max_actions=2):
     Returns (observation, summed reward, done, info); info has "format_ok", "valid" (all actions valid) and
     "success". A malformed reply costs the env's format_penalty and changes nothing.
     """
+    _need(isinstance(max_actions, int) and max_actions >= 1, f"max_actions must be an integer >= 1, got {max_actions!r}")
     _, actions = parse_reply(reply)
     if actions is None:
         return env.render(), env.format_penalty, False, {"valid": False, "success": False, "format_ok": False}
@@ -105,6 +106,7 @@ def _need(ok, message):
 # Grid helpers shared by FrozenLake and Sokoban (positions are (row, column), row 0 on top)
 
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
+MAX_SIZE = 32  # the largest grid side: larger maps would not fit a turn, and drawing one takes ever longer
 
 
 def _add(pos, move):
@@ -159,7 +161,8 @@ class FrozenLake(Env):
     def __init__(self, size=4, p_hole=0.25, slip=0.0, max_turns=5, unsolvable_frac=0.0, generic_think=0.0):
         self.size, self.p_hole, self.slip = size, p_hole, slip
         self.max_turns, self.unsolvable_frac, self.generic_think = max_turns, unsolvable_frac, generic_think
-        _need(isinstance(size, int) and size >= 2, f"size must be an integer >= 2, got {size!r}")
+        _need(isinstance(size, int) and 2 <= size <= MAX_SIZE, f"size must be an integer in [2, {MAX_SIZE}] "
+              f"(a {MAX_SIZE}x{MAX_SIZE} map is already 2,000 characters a turn), got {size!r}")
         for k, v in (("p_hole", p_hole), ("slip", slip), ("unsolvable_frac", unsolvable_frac), ("generic_think", generic_think)):
             _need(0 <= v <= 1, f"{k} is a probability in [0, 1], got {v!r}")
         _need(not unsolvable_frac or (size >= 3 and p_hole < 1), "unsolvable maps need size >= 3 and p_hole < 1 "
@@ -318,7 +321,8 @@ class Sokoban(Env):
 
     def __init__(self, size=6, max_turns=10, inner_walls=2):
         self.size, self.max_turns, self.inner_walls = size, max_turns, inner_walls
-        _need(isinstance(size, int) and size >= 4, f"size must be an integer >= 4 (walls around the map), got {size!r}")
+        _need(isinstance(size, int) and 4 <= size <= MAX_SIZE, f"size must be an integer in [4, {MAX_SIZE}] "
+              f"(walls around the map; a {MAX_SIZE}x{MAX_SIZE} map is already 2,000 characters a turn), got {size!r}")
         _need(0 <= inner_walls <= (size - 2) ** 2 - 3, f"inner_walls must be in [0, {(size - 2) ** 2 - 3}] (floor "
               f"for the player, the box and the target), got {inner_walls!r}")
 
@@ -772,7 +776,7 @@ class CodeExec(Env):
 
     def __init__(self, max_turns=3, n_tests=4):
         self.max_turns, self.n_tests = max_turns, n_tests
-        _need(isinstance(n_tests, int) and n_tests >= 1, f"n_tests must be an integer >= 1, got {n_tests!r}")
+        _need(isinstance(n_tests, int) and 1 <= n_tests <= 100, f"n_tests must be an integer in [1, 100], got {n_tests!r}")
 
     def reset(self, seed):
         rng = random.Random(seed)
@@ -827,6 +831,9 @@ ENVS = {
 }
 
 
+MAX_TURNS = 100  # the most turns an episode may have (any env)
+
+
 def make_env(name, format_penalty=None, max_turns=None, **kwargs):
     """Build a registered environment by name, e.g. make_env("sokoban", max_turns=8). `format_penalty` (any env)
     is the reward of a malformed reply or an invalid action (default `Env.format_penalty`); 0 makes a group that
@@ -834,7 +841,8 @@ def make_env(name, format_penalty=None, max_turns=None, **kwargs):
     if name not in ENVS:
         raise ValueError(f"unknown env {name!r}; choose from: {', '.join(ENVS)}")
     env = ENVS[name](**kwargs, **({} if max_turns is None else {"max_turns": max_turns}))
-    _need(isinstance(env.max_turns, int) and env.max_turns >= 1, f"max_turns must be an integer >= 1, got {env.max_turns!r}")
+    _need(isinstance(env.max_turns, int) and 1 <= env.max_turns <= MAX_TURNS, f"max_turns must be an integer in "
+          f"[1, {MAX_TURNS}] (the whole conversation is one sequence), got {env.max_turns!r}")
     if format_penalty is not None:
         env.format_penalty = float(format_penalty)
         _need(math.isfinite(env.format_penalty), f"format_penalty must be a finite number, got {format_penalty!r}")

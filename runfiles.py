@@ -32,8 +32,8 @@ def flag_problem(cfg):
         env.reset(0)
         env.step(env.expert()[1])
     except (TypeError, ValueError, IndexError) as e:
-        given = f"--env-args {cfg.env_args}" + (f" with --max-turns {cfg.max_turns}" if turns else "")
-        return f"{given} do not fit env {cfg.env!r}: {e}"
+        given = " with ".join(([f"--env-args {cfg.env_args}"] if args else []) + ([f"--max-turns {cfg.max_turns}"] if turns else []))
+        return f"{given} {'do' if args else 'does'} not fit env {cfg.env!r}: {e}"
     ones = ("groups", "micro_batch", "ppo_epochs", "max_actions", "diag_every", "eval_every", "eval_episodes",
             "save_every", "tiny_layers")
     zeros = ("steps", "max_turns", "max_new_tokens", "gradnorm_every", "warmup_steps", "lr", "warmup_lr", "kl_coef",
@@ -175,9 +175,11 @@ def resume(cfg, out, device):
 def kept_fractions(path, steps=None):
     """{step: kept_frac} from another run's log.jsonl (the demo's control run scales its regularisers by them).
     A missing file raises OSError; a file that is not such a log, or one without a row for every step of
-    range(steps), ValueError: never a silent scale of 1."""
+    range(steps), ValueError: never a silent scale of 1. A last line cut mid-write is left out, as read_log does."""
+    if os.path.exists(path) and not os.path.isfile(path):  # a folder, a FIFO (reading one would block), a device
+        raise ValueError(f"{path} is not a file: give a run's log.jsonl")
     with open(path) as f:
-        lines = [l for l in f if l.strip()]
+        lines = [l for l in f if l.endswith("\n") and l.strip()]
     try:
         rows = [json.loads(l) for l in lines]
         scales = {r["step"]: float(r["kept_frac"]) for r in rows}

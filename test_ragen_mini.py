@@ -168,6 +168,8 @@ def test_step_reply():
     env.pos, env.goal = (0, 0), (1, 0)  # stops at done: "up" after reaching the goal is not applied
     obs, reward, done, info = step_reply(env, reply("t", "down", "up"))
     assert (reward, done, info["success"], env.pos) == (1.0, True, True, (1, 0))
+    with pytest.raises(ValueError, match="max_actions must be an integer >= 1"):  # was an UnboundLocalError
+        step_reply(env, reply("t", "down"), 0)
 
 
 def test_make_env():
@@ -235,12 +237,15 @@ def test_frozenlake_generic_think_changes_only_the_reasoning():
 @pytest.mark.parametrize("name, kwargs, message", [
     ("frozenlake", {"slip": 2}, "slip is a probability"), ("frozenlake", {"p_hole": -0.1}, "p_hole is a probability"),
     ("frozenlake-mixed", {"unsolvable_frac": 1.5}, "unsolvable_frac is a probability"),
-    ("frozenlake", {"slip": float("nan")}, "slip is a probability"), ("frozenlake", {"size": 1}, "size must be an integer >= 2"),
-    ("frozenlake", {"size": 4.5}, "size must be an integer"), ("sokoban", {"size": 3}, "size must be an integer >= 4"),
+    ("frozenlake", {"slip": float("nan")}, "slip is a probability"), ("frozenlake", {"size": 1}, "size must be an integer in [2, 32]"),
+    ("frozenlake", {"size": 4.5}, "size must be an integer"), ("sokoban", {"size": 3}, "size must be an integer in [4, 32]"),
     ("sokoban", {"inner_walls": 99}, "inner_walls must be in [0, 13]"), ("webshop", {"n_items": 0}, "n_items must be"), ("webshop", {"n_items": 61}, "in [1, 60]"),
-    ("code", {"n_tests": 0}, "n_tests must be"), ("countdown", {"max_turns": 1.5}, "max_turns must be an integer >= 1"),
+    ("code", {"n_tests": 0}, "n_tests must be"), ("countdown", {"max_turns": 1.5}, "max_turns must be an integer in [1, 100]"),
     ("bandit", {"max_turns": 2}, "bandit is single-turn"), ("frozenlake", {"format_penalty": float("inf")}, "format_penalty must be a finite"),
-    ("frozenlake", {"p_hole": 1, "unsolvable_frac": 0.1}, "unsolvable maps need")])
+    ("frozenlake", {"p_hole": 1, "unsolvable_frac": 0.1}, "unsolvable maps need"),
+    ("frozenlake", {"size": 3000}, "size must be an integer in [2, 32]"), ("sokoban", {"size": 33}, "in [4, 32]"),
+    ("code", {"n_tests": 10**8}, "n_tests must be an integer in [1, 100]"),
+    ("frozenlake", {"max_turns": 10**9}, "max_turns must be an integer in [1, 100]")])
 def test_env_arguments_out_of_range_fail_at_once_with_their_name(name, kwargs, message):
     """Each constructor checks its arguments (slip 2 used to run, and n_items 0 was a KeyError at the first reset)."""
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -645,6 +650,16 @@ def test_kept_fractions_read_a_log_or_refuse_it(tmp_path):
     assert runfiles.kept_fractions(good, steps=2) == {0: 0.25, 1: 1.0}
     with pytest.raises(ValueError, match="not of all 3: has its run ended"):  # a log cut short: no silent 1 for step 2
         runfiles.kept_fractions(good, steps=3)
+    cut = tmp_path / "cut.jsonl"  # a run killed mid-write: its last line is cut, as read_log allows
+    cut.write_text(good.read_text() + '{"step": 2, "kept_fr')
+    with pytest.raises(ValueError, match="of 2 steps, not of all 3: has its run ended"):
+        runfiles.kept_fractions(cut, steps=3)
+    with pytest.raises(ValueError, match="is not a file"):  # a folder; a FIFO would block the read for ever
+        runfiles.kept_fractions(tmp_path)
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "fifo")
+        with pytest.raises(ValueError, match="is not a file"):
+            runfiles.kept_fractions(tmp_path / "fifo")
     for v in ("NaN", "-1e30", "1.5"):  # a NaN scale would skip every update as "non-finite" without naming the file
         (tmp_path / "odd").write_text('{"step": 0, "kept_frac": %s}\n' % v)
         with pytest.raises(ValueError, match="kept_frac outside"):
@@ -1675,7 +1690,7 @@ def test_bench_code_path_prints_its_figures(tmp_path):
     (["--env-args", "{oops"], "JSON object"), (["--env-args", '{"holes": 3}'], "do not fit env"),
     (["--env-args", '{"format_penalty": "high"}'], "do not fit env"), (["--groups", "0"], ">= 1"), (["--max-new-tokens", "-1"], ">= 0"),
     (["--model", "/nonexistent/model", "--steps", "1"], "no such folder"), (["--env-args", '{"slip": "x"}'], "do not fit env"),
-    (["--env-args", '{"max_turns": -1}'], "max_turns must be an integer >= 1"), (["--env", "sokoban", "--env-args", '{"size": 3}'], "do not fit env"),
+    (["--env-args", '{"max_turns": -1}'], "max_turns must be an integer in [1, 100]"), (["--env", "sokoban", "--env-args", '{"size": 3}'], "do not fit env"),
     (["--reg-scale-from", os.path.join(HERE, "README.md")], "is not a run's log.jsonl"),
     (["--env-args", '{"slip": 2}'], "slip is a probability in [0, 1]"), (["--env", "webshop", "--env-args", '{"n_items": 0}'], "n_items must be"),
     (["--diag-every", "0", "--lr", "-1"], "--diag-every must be >= 1, --lr must be >= 0"),
@@ -1807,6 +1822,37 @@ def test_interrupted_warm_start_resumes_to_the_same_model(tmp_path, monkeypatch)
     calls.clear()
     rm.load_policy(cfg, torch.device("cpu"))  # now cached: no training at all
     assert calls == []
+
+
+def test_a_diverging_warm_start_caches_nothing(tmp_path, monkeypatch):
+    """A --warmup-lr far too high makes the weights non-finite: the build stops with a message and caches neither a
+    model nor a checkpoint (it used to cache the NaN model, and every later run then failed in sampling)."""
+    import tiny
+    monkeypatch.setattr(tiny, "SAVE_EVERY", 1)  # a checkpoint every step: the divergent ones must go too
+    cfg = rm.parse_args(["--warmup-steps", "4", "--tiny-dim", "32", "--warmup-lr", "1e4", "--cache-dir", str(tmp_path)])
+    for _ in range(2):  # the rerun fails the same way: nothing was cached
+        with pytest.raises(ValueError, match=r"the warm start diverged at step \d .*nothing was cached; lower --warmup-lr"):
+            rm.load_policy(cfg, torch.device("cpu"))
+        (folder,) = tmp_path.iterdir()
+        assert sorted(f.name for f in folder.iterdir()) == ["lock"]
+
+
+def test_a_damaged_warm_start_cache_names_its_folder(tmp_path):
+    """A cached warm start or a warm-start checkpoint damaged from outside: one message naming it and what to do."""
+    import tiny
+    cfg = rm.parse_args(["--warmup-steps", "0", "--tiny-dim", "32", "--cache-dir", str(tmp_path / "a")])
+    rm.load_policy(cfg, torch.device("cpu"))
+    folder = tiny.cache_path(cfg)
+    with open(os.path.join(folder, "model.safetensors"), "w") as f:
+        f.write("garbage")
+    with pytest.raises(OSError, match=re.escape(f"the warm-start cache {folder} is unreadable") + ".*remove that folder"):
+        rm.load_policy(cfg, torch.device("cpu"))
+    cfg = rm.parse_args(["--warmup-steps", "2", "--tiny-dim", "32", "--cache-dir", str(tmp_path / "b")])
+    os.makedirs(tiny.cache_path(cfg))
+    with open(os.path.join(tiny.cache_path(cfg), "warm_start.pt"), "w") as f:
+        f.write("garbage")
+    with pytest.raises(OSError, match=r"warm_start.pt is unreadable \(UnpicklingError\): remove it"):
+        rm.load_policy(cfg, torch.device("cpu"))
 
 
 def test_an_edited_env_gets_its_own_warm_start(monkeypatch):

@@ -67,12 +67,17 @@ def tiny_policy(cfg, device):
         with runfiles.locked(path, wait=True):  # a second process building the same model waits, then reads it
             if not os.path.exists(done):
                 return warm_start(cfg, path, device)
-    tok = PreTrainedTokenizerFast.from_pretrained(path, padding_side="left")
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a "Loading weights" bar for 20 small tensors is noise in the log
-    model = LlamaForCausalLM.from_pretrained(path).to(device)
-    if bar:
-        hf_logging.enable_progress_bar()
+    try:
+        tok = PreTrainedTokenizerFast.from_pretrained(path, padding_side="left")
+        model = LlamaForCausalLM.from_pretrained(path).to(device)
+    except Exception as e:  # damaged from outside (it is written whole): say which folder and what to do
+        raise OSError(f"the warm-start cache {path} is unreadable ({e.__class__.__name__}): remove that folder "
+                      "and rerun to build it again") from e
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     return model, tok
 
 
@@ -112,8 +117,12 @@ def warm_start(cfg, path, device):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1, (i + 1) / 50) * (0.55 + 0.45 * math.cos(math.pi * i / max(cfg.warmup_steps, 1))))
     ckpt, start = os.path.join(path, "warm_start.pt"), 0
     if os.path.exists(ckpt):  # an interrupted build: continue from its last checkpoint
-        c = torch.load(ckpt, map_location="cpu", weights_only=False)  # load_state_dict moves it to the model's device
-        model.load_state_dict(c["model"]); opt.load_state_dict(c["opt"]); sched.load_state_dict(c["sched"])
+        try:
+            c = torch.load(ckpt, map_location="cpu", weights_only=False)  # load_state_dict moves it to the model's device
+            model.load_state_dict(c["model"]); opt.load_state_dict(c["opt"]); sched.load_state_dict(c["sched"])
+        except Exception as e:  # damaged from outside (it is saved whole)
+            raise OSError(f"{ckpt} is unreadable ({e.__class__.__name__}): remove it to build the warm start from the "
+                          "start") from e
         start = c["step"]
         print(f"warm start: resuming from step {start} ({ckpt})")
     for i in tqdm(range(start, cfg.warmup_steps), initial=start, total=cfg.warmup_steps, desc="warm start (cached after the first run)"):
@@ -129,6 +138,11 @@ def warm_start(cfg, path, device):
             (nll / n).backward()  # the LM head runs on the agent's positions alone
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # without it a late loss spike can undo the warm start
         opt.step(); sched.step()
+        if not all(p.isfinite().all() for p in model.parameters()):  # diverged (a --warmup-lr far too high): cache nothing
+            if os.path.exists(ckpt):
+                os.remove(ckpt)  # its checkpoints lead here too
+            raise ValueError(f"the warm start diverged at step {i + 1} (non-finite weights at --warmup-lr {cfg.warmup_lr:g}): "
+                             "nothing was cached; lower --warmup-lr")
         if (i + 1) % SAVE_EVERY == 0 and i + 1 < cfg.warmup_steps:
             runfiles.save_ckpt(ckpt, model=model.state_dict(), opt=opt.state_dict(), sched=sched.state_dict(), step=i + 1)
     tok.save_pretrained(path)
