@@ -9,7 +9,7 @@ map has exactly zero reward variance; a strong entropy bonus and a small KL to t
 whose push is the same for every input.
 Writes DEMO_DIR/{table.md (the table, gradient norms and sample reasonings), demo.png} and the three runs' JSONL logs.
 """
-import copy, dataclasses, hashlib, json, multiprocessing, multiprocessing.connection, os, signal, statistics, sys, time
+import copy, dataclasses, hashlib, json, multiprocessing, multiprocessing.connection, os, signal, statistics, sys, threading, time
 
 import torch
 
@@ -155,9 +155,18 @@ def plot(runs, path, eval_start=None):
     return True
 
 
-def train_arm(cfg, threads, conn):
+def exit_with(parent):
+    """End this worker once the demo's process `parent` is gone, however it went: a SIGKILL or SIGTERM runs none of
+    the parent's clean-up, and an orphan would train on, holding its run folder. Its last checkpoint stays."""
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(1)
+
+
+def train_arm(cfg, threads, conn, parent):
     """One run of the demo in a worker process: `threads` torch threads; quiet but for the collapse alarm and notes.
     Sends ("ok", summary) or ("error", message) back through conn."""
+    threading.Thread(target=exit_with, args=(parent,), daemon=True).start()
     torch.set_num_threads(threads)  # SIGINT is ignored here from the start (Arm): ^C is the parent's, which stops the workers
     try:
         conn.send(("ok", rm.train(cfg, quiet=True)[0]))
@@ -171,7 +180,7 @@ class Arm:
 
     def __init__(self, ctx, cfg, threads):
         self.conn, child = ctx.Pipe(duplex=False)
-        self.proc, self.name, self.out = ctx.Process(target=train_arm, args=(cfg, threads, child), daemon=True), cfg.name, None
+        self.proc, self.name, self.out = ctx.Process(target=train_arm, args=(cfg, threads, child, os.getpid()), daemon=True), cfg.name, None
         sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child inherits ^C ignored, from its first line on
         try:                                                     # (while it imports torch a ^C printed its traceback)
             self.proc.start()

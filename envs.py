@@ -60,7 +60,7 @@ def step_reply(env, reply, max_actions=2):
     Returns (observation, summed reward, done, info); info has "format_ok", "valid" (all actions valid) and
     "success". A malformed reply costs the env's format_penalty and changes nothing.
     """
-    _need(isinstance(max_actions, int) and max_actions >= 1, f"max_actions must be an integer >= 1, got {max_actions!r}")
+    _need(_whole(max_actions) and max_actions >= 1, f"max_actions must be an integer >= 1, got {max_actions!r}")
     _, actions = parse_reply(reply)
     if actions is None:
         return env.render(), env.format_penalty, False, {"valid": False, "success": False, "format_ok": False}
@@ -94,6 +94,11 @@ class Env:
         if reward is None:
             return self.render(), self.format_penalty, False, {"valid": False, "success": False}
         return self.render(), reward, self.done, {"valid": True, "success": self.success}
+
+
+def _whole(v):
+    """An integer, not a bool: JSON's true would otherwise pass as 1."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _need(ok, message):
@@ -161,7 +166,7 @@ class FrozenLake(Env):
     def __init__(self, size=4, p_hole=0.25, slip=0.0, max_turns=5, unsolvable_frac=0.0, generic_think=0.0):
         self.size, self.p_hole, self.slip = size, p_hole, slip
         self.max_turns, self.unsolvable_frac, self.generic_think = max_turns, unsolvable_frac, generic_think
-        _need(isinstance(size, int) and 2 <= size <= MAX_SIZE, f"size must be an integer in [2, {MAX_SIZE}] "
+        _need(_whole(size) and 2 <= size <= MAX_SIZE, f"size must be an integer in [2, {MAX_SIZE}] "
               f"(a {MAX_SIZE}x{MAX_SIZE} map is already 2,000 characters a turn), got {size!r}")
         for k, v in (("p_hole", p_hole), ("slip", slip), ("unsolvable_frac", unsolvable_frac), ("generic_think", generic_think)):
             _need(0 <= v <= 1, f"{k} is a probability in [0, 1], got {v!r}")
@@ -321,7 +326,7 @@ class Sokoban(Env):
 
     def __init__(self, size=6, max_turns=10, inner_walls=2):
         self.size, self.max_turns, self.inner_walls = size, max_turns, inner_walls
-        _need(isinstance(size, int) and 4 <= size <= MAX_SIZE, f"size must be an integer in [4, {MAX_SIZE}] "
+        _need(_whole(size) and 4 <= size <= MAX_SIZE, f"size must be an integer in [4, {MAX_SIZE}] "
               f"(walls around the map; a {MAX_SIZE}x{MAX_SIZE} map is already 2,000 characters a turn), got {size!r}")
         _need(0 <= inner_walls <= (size - 2) ** 2 - 3, f"inner_walls must be in [0, {(size - 2) ** 2 - 3}] (floor "
               f"for the player, the box and the target), got {inner_walls!r}")
@@ -548,7 +553,7 @@ class WebShop(Env):
     def __init__(self, n_items=8, max_turns=5):
         self.n_items, self.max_turns = n_items, max_turns
         # at most 60: a reset redraws the catalogue until only the target matches the goal, which takes ~0.9^-n draws
-        _need(isinstance(n_items, int) and 1 <= n_items <= 60, f"n_items must be an integer in [1, 60], got {n_items!r}")
+        _need(_whole(n_items) and 1 <= n_items <= 60, f"n_items must be an integer in [1, 60], got {n_items!r}")
 
     def reset(self, seed):
         rng = random.Random(seed)
@@ -776,7 +781,7 @@ class CodeExec(Env):
 
     def __init__(self, max_turns=3, n_tests=4):
         self.max_turns, self.n_tests = max_turns, n_tests
-        _need(isinstance(n_tests, int) and 1 <= n_tests <= 100, f"n_tests must be an integer in [1, 100], got {n_tests!r}")
+        _need(_whole(n_tests) and 1 <= n_tests <= 100, f"n_tests must be an integer in [1, 100], got {n_tests!r}")
 
     def reset(self, seed):
         rng = random.Random(seed)
@@ -841,7 +846,7 @@ def make_env(name, format_penalty=None, max_turns=None, **kwargs):
     if name not in ENVS:
         raise ValueError(f"unknown env {name!r}; choose from: {', '.join(ENVS)}")
     env = ENVS[name](**kwargs, **({} if max_turns is None else {"max_turns": max_turns}))
-    _need(isinstance(env.max_turns, int) and 1 <= env.max_turns <= MAX_TURNS, f"max_turns must be an integer in "
+    _need(_whole(env.max_turns) and 1 <= env.max_turns <= MAX_TURNS, f"max_turns must be an integer in "
           f"[1, {MAX_TURNS}] (the whole conversation is one sequence), got {env.max_turns!r}")
     if format_penalty is not None:
         env.format_penalty = float(format_penalty)

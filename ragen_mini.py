@@ -25,8 +25,19 @@ Deviations from the paper / reference code (veRL-based RAGEN), all deliberate:
   * --adv drgrpo changes the advantage only; the loss stays a token mean (Dr.GRPO divides the token sum by a constant);
   * a reasoning that is empty or never closed stays in the MI proxies (README "Metrics"; the reference drops it).
 """
-import argparse, copy, dataclasses, functools, inspect, json, math, os, random, re, sys, time
+import argparse, copy, dataclasses, functools, inspect, json, math, os, random, re, signal, sys, time
 from dataclasses import dataclass, asdict
+
+
+def interrupted_early(*_):
+    """^C while the libraries import or the flags are read: nothing has started, so nothing to save. It exits at
+    once: an exception raised inside an import can garble it (transformers then reports a missing module)."""
+    sys.stderr.write("\ninterrupted before anything started\n")
+    os._exit(1)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, interrupted_early)  # main() hands ^C back to Python once the imports are done
 
 import torch
 import torch.nn.functional as F
@@ -561,6 +572,9 @@ def train_locked(cfg, out, quiet):
 
 def main(argv=None):
     cfg = parse_args(argv)
+    if __name__ == "__main__":  # the script: the model code's imports (2 s) under interrupted_early too, then
+        from transformers import LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: F401  a ^C is reported below
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if cfg.demo:
             import demo

@@ -6,6 +6,7 @@
 
 Run: python -m pytest -q test_ragen_mini.py
 """
+import contextlib
 import copy
 import dataclasses
 import json
@@ -245,7 +246,8 @@ def test_frozenlake_generic_think_changes_only_the_reasoning():
     ("frozenlake", {"p_hole": 1, "unsolvable_frac": 0.1}, "unsolvable maps need"),
     ("frozenlake", {"size": 3000}, "size must be an integer in [2, 32]"), ("sokoban", {"size": 33}, "in [4, 32]"),
     ("code", {"n_tests": 10**8}, "n_tests must be an integer in [1, 100]"),
-    ("frozenlake", {"max_turns": 10**9}, "max_turns must be an integer in [1, 100]")])
+    ("frozenlake", {"max_turns": 10**9}, "max_turns must be an integer in [1, 100]"),
+    ("frozenlake", {"max_turns": True}, "max_turns must be an integer"), ("code", {"n_tests": True}, "n_tests must be")])
 def test_env_arguments_out_of_range_fail_at_once_with_their_name(name, kwargs, message):
     """Each constructor checks its arguments (slip 2 used to run, and n_items 0 was a KeyError at the first reset)."""
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -1583,6 +1585,55 @@ def test_demo_worker_that_dies_is_reported_not_waited_for(tmp_path):
     os.kill(arm.proc.pid, sig.SIGKILL)
     with pytest.raises(RuntimeError, match="run k: its process died"):
         demo.wait_for([arm], [arm], [cfg], every=1)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_a_ctrl_c_while_the_libraries_import_is_one_line(tmp_path):
+    """^C in the first seconds, while torch and transformers import: it printed a traceback (torch, before main() and
+    its handler), or a false "ModuleNotFoundError: Could not import module 'LlamaForCausalLM'" (an import it cut)."""
+    import signal as sig
+    for delay in (0.3, 0.8, 1.5):
+        proc = subprocess.Popen([sys.executable, os.path.join(HERE, "ragen_mini.py"), "--out", str(tmp_path), "--cache-dir",
+                                 str(tmp_path / "c")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        proc.send_signal(sig.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode != 0 and "Traceback" not in err and "Error" not in err and "interrupted" in err, err[-2000:]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals; the run-folder lock uses flock")
+def test_demo_workers_end_when_the_demo_is_killed(tmp_path):
+    """A demo killed from outside (SIGKILL or SIGTERM: none of its clean-up runs) takes its workers with it: they
+    trained on without it, holding their folders, so that a rerun was refused as "in use by another run"."""
+    import fcntl, signal as sig
+    args = SMALL + ["--steps", "500", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--name", "k"]
+    rm.load_policy(rm.parse_args(args), torch.device("cpu"))  # the warm start, cached: the worker starts training at once
+    script = ("import multiprocessing, time, demo, ragen_mini as rm\n"
+              f"arm = demo.Arm(multiprocessing.get_context('spawn'), rm.parse_args({args!r}), 1)\n"
+              "print(arm.proc.pid, flush=True)\ntime.sleep(300)\n")
+    demo_proc = subprocess.Popen([sys.executable, "-c", script], cwd=HERE, stdout=subprocess.PIPE, text=True)
+    worker = int(demo_proc.stdout.readline())
+    def wait(until, seconds, why):
+        deadline = time.time() + seconds
+        while not until():
+            assert time.time() < deadline, why
+            time.sleep(0.2)
+    def free():  # the worker's lock on its run folder is released (it goes with the process)
+        with open(tmp_path / "k" / "lock", "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except OSError:
+                return False
+    try:
+        wait(lambda: (tmp_path / "k" / "config.json").exists(), 120, "the worker never started its run")  # lock held
+        demo_proc.kill()
+        demo_proc.wait()
+        wait(free, 20, "the worker outlived the demo")
+    finally:
+        demo_proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, sig.SIGKILL)
 
 
 class EndsBetweenReadings:
