@@ -71,14 +71,14 @@ def tiny_policy(cfg, device):
     hf_logging.disable_progress_bar()  # a "Loading weights" bar for 20 small tensors is noise in the log
     try:
         tok = PreTrainedTokenizerFast.from_pretrained(path, padding_side="left")
-        model = LlamaForCausalLM.from_pretrained(path).to(device)
+        model = LlamaForCausalLM.from_pretrained(path)
     except Exception as e:  # damaged from outside (it is written whole): say which folder and what to do
         raise OSError(f"the warm-start cache {path} is unreadable ({e.__class__.__name__}): remove that folder "
                       "and rerun to build it again") from e
     finally:
         if bar:
             hf_logging.enable_progress_bar()
-    return model, tok
+    return model.to(device), tok  # (outside the try: a device out of memory is no damaged cache)
 
 
 def warm_start(cfg, path, device):
