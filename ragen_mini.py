@@ -193,7 +193,7 @@ def amp(fn):
     return run
 
 
-def load_policy(cfg, device):
+def load_policy(cfg, device, quiet=False):
     """-> (model, tokenizer). 'tiny' builds and warm-starts the embedded model (cached); else from_pretrained."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if cfg.model == "tiny":
@@ -208,7 +208,7 @@ def load_policy(cfg, device):
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **gguf).to(device)  # bf16 compute: amp()
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    if not cfg.max_new_tokens:
+    if not cfg.max_new_tokens and not quiet:  # (quiet: the demo's workers; the demo itself has said it once)
         print(f"note: a turn gets the env's {make_env(cfg).reply_tokens} tokens (--max-new-tokens 0), sized for the tiny "
               "model's replies: a model that reasons at length is cut there (--max-new-tokens 128 gives it room)")
     try:
@@ -490,7 +490,7 @@ def train_locked(cfg, out, quiet):
     """train()'s body, run while it holds the folder's lock."""
     device = pick_device(cfg.device)
     c = runfiles.resume(cfg, out, device)  # the last checkpoint, or None; refuses a folder of other settings
-    model, tok = load_policy(cfg, device)
+    model, tok = load_policy(cfg, device, quiet)
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None  # frozen start model
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     ema, log_path, ckpt = metrics.ZScoreEMA(), os.path.join(out, "log.jsonl"), os.path.join(out, "ckpt.pt")

@@ -1509,7 +1509,7 @@ def test_cli_end_to_end_and_resume(tmp_path):
     assert r4.returncode == 0 and "has run 3 steps, more than --steps 1" in r4.stdout and "after 3 steps" in r4.stdout, r4.stdout[-2000:]
 
 
-def test_run_exports_its_final_policy_and_it_loads_back_as_a_model(tmp_path):
+def test_run_exports_its_final_policy_and_it_loads_back_as_a_model(tmp_path, capsys):
     """A run ends by writing its policy as a Hugging Face folder: `--model <run>/model` loads it through the
     real-model path (AutoTokenizer, chat template, stop ids) and it plays the held-out maps exactly as the trained
     model does. A rerun of the finished run leaves it alone; a run extended by --steps replaces it, and one cut
@@ -1518,7 +1518,11 @@ def test_run_exports_its_final_policy_and_it_loads_back_as_a_model(tmp_path):
     summary, model, tok = rm.train(rm.parse_args(args), quiet=True)
     path = os.path.join(summary["out"], "model")
     back = rm.parse_args(args + ["--model", path])  # the folder exists: the flag check lets it through
+    capsys.readouterr()
     model2, tok2 = rm.load_policy(back, torch.device("cpu"))
+    assert "note: a turn gets the env's 32 tokens" in capsys.readouterr().out  # a real model may want more
+    rm.load_policy(back, torch.device("cpu"), quiet=True)
+    assert "note" not in capsys.readouterr().out  # quiet (the demo's workers): the demo says it once, not four times
     assert not os.path.exists(path + ".tmp") and tok2.chat_template == tok.chat_template
     assert {k: v for k, v in model.named_parameters()}.keys() == {k: v for k, v in model2.named_parameters()}.keys()
     assert all(torch.equal(p, model2.get_parameter(k)) for k, p in model.named_parameters())
