@@ -136,13 +136,13 @@ def warm_start(cfg, path, device):
             agent = mask[:, 1:].bool()  # predict token t+1 from position t, on the agent's tokens only (19%)
             nll = F.cross_entropy(model.lm_head(hidden[agent]).float(), ids[:, 1:][agent], reduction="sum")
             (nll / n).backward()  # the LM head runs on the agent's positions alone
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # without it a late loss spike can undo the warm start
-        opt.step(); sched.step()
-        if not all(p.isfinite().all() for p in model.parameters()):  # diverged (a --warmup-lr far too high): cache nothing
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # without it a late loss spike can undo the warm start
+        if not torch.isfinite(gnorm):  # diverged (a --warmup-lr far too high), as update() checks it: cache nothing
             if os.path.exists(ckpt):
                 os.remove(ckpt)  # its checkpoints lead here too
-            raise ValueError(f"the warm start diverged at step {i + 1} (non-finite weights at --warmup-lr {cfg.warmup_lr:g}): "
+            raise ValueError(f"the warm start diverged at step {i + 1} (a non-finite gradient at --warmup-lr {cfg.warmup_lr:g}): "
                              "nothing was cached; lower --warmup-lr")
+        opt.step(); sched.step()
         if (i + 1) % SAVE_EVERY == 0 and i + 1 < cfg.warmup_steps:
             runfiles.save_ckpt(ckpt, model=model.state_dict(), opt=opt.state_dict(), sched=sched.state_dict(), step=i + 1)
     tok.save_pretrained(path)
