@@ -1144,6 +1144,18 @@ def test_mixed_precision_run_end_to_end(tmp_path, monkeypatch):
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+def test_on_a_gpu_cudnn_attention_is_turned_off():
+    """pick_device('cuda') turns cuDNN's SDPA off (on an H200 it built a plan for every new KV-cache length: a rollout
+    took 5-8 s instead of 0.6 s, README "Performance"); a CPU run leaves the process-wide flag alone."""
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        assert rm.pick_device("cpu").type == "cpu" and torch.backends.cuda.cudnn_sdp_enabled()
+        assert rm.pick_device("cuda").type == "cuda" and not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
+
+
 def test_a_batch_without_reasoning_is_not_measured(tmp_path, monkeypatch):
     """A model that closes </think> at once (small models skip reasoning) leaves nothing to cross-score: the
     diagnostics are left out of that step's log and the collapse alarm waits, rather than a crash or a fake MI of 0."""
