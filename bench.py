@@ -160,6 +160,6 @@ def main(cfg, iters=4):
     print(f"  shares of the iteration: env {med['env'] / med['iter']:.1%}, diagnostics {med['diag'] / med['iter']:.1%}, update {med['update'] / med['iter']:.1%}")
     print(f"  pure model compute: HF generate {med['hf_generate']:.2f}s + plain fwd/bwd/step {med['plain_step']:.2f}s -> overhead ratio {med['overhead']:.2f}")
     print(f"  update with --filter none {med['update_none']:.2f}s vs snr {med['update_snr']:.2f}s (kept {med['kept']:.2f} of groups): "
-          f"{1 - med['update_snr'] / med['update_none']:.0%} shorter")
+          + (f"{1 - med['update_snr'] / med['update_none']:.0%} shorter" if med['kept'] else "no group kept, so no update (every group's rewards were equal)"))
     print(f"  peak memory {peak:.2f} GB ({'GPU allocated' if device.type == 'cuda' else 'process RSS'})")
     return med

@@ -1750,6 +1750,18 @@ def test_bench_code_path_prints_its_figures(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     for needle in ["overhead ratio", "prefill", "decode", "env", "diagnostics", "update", "peak"]:
         assert needle in r.stdout, (needle, r.stdout[-3000:])
+    assert re.search(r"\d+% shorter|no group kept, so no update", r.stdout), r.stdout[-3000:]
+
+
+def test_bench_says_when_the_filter_keeps_nothing(tmp_path, monkeypatch, capsys):
+    """A batch whose groups all have equal rewards (a real model failing every map): the snr update is skipped, and
+    the benchmark says so rather than "100% shorter"."""
+    import bench
+    monkeypatch.setattr(rm, "filter_groups", lambda *a, **k: [])
+    cfg = rm.parse_args(SMALL + ["--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path)])
+    med = bench.main(cfg, iters=1)
+    out = capsys.readouterr().out
+    assert med["kept"] == 0 and med["update_snr"] < 0.01 and "no group kept, so no update" in out and "shorter" not in out
 
 
 @pytest.mark.parametrize("args, message", [
