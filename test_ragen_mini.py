@@ -1758,6 +1758,8 @@ def test_bench_says_when_the_filter_keeps_nothing(tmp_path, monkeypatch, capsys)
     the benchmark says so rather than "100% shorter"."""
     import bench
     monkeypatch.setattr(rm, "filter_groups", lambda *a, **k: [])
+    monkeypatch.setattr(envs, "step_reply", envs.step_reply)  # bench's Clock wraps these two for good: restored after
+    monkeypatch.setattr(rm, "make_env", rm.make_env)
     cfg = rm.parse_args(SMALL + ["--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path)])
     med = bench.main(cfg, iters=1)
     out = capsys.readouterr().out
