@@ -56,6 +56,13 @@ def sync():
         torch.cuda.synchronize()
 
 
+def peak_memory(device):
+    """Peak so far, GB: what torch allocated on the GPU, or the process's resident set on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def turns_of(e):
     """(context length, generated length) of each agent turn, read back from the episode's role mask."""
     out, m = [], e["mask"]
@@ -110,9 +117,11 @@ def main(cfg, iters=4):
     P, G = cfg.groups, cfg.group_size
     print(f"bench: {cfg.model} on {device}, {P} groups x {G}, env {cfg.env}, max_turns {cfg.max_turns or 'env default'}, "
           f"diagnostics every {cfg.diag_every} steps (amortised), {torch.get_num_threads()} threads")
-    rows = []
+    rows, peak_loop, peak_all = [], 0.0, 0.0
     for it in range(iters + 1):  # iteration 0 warms up allocators and caches; not reported
         torch.manual_seed(it)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         clock.t = dict.fromkeys(clock.t, 0)
         clock.on = True
         t0 = time.perf_counter()
@@ -140,9 +149,14 @@ def main(cfg, iters=4):
             sync(); times[mode] = time.perf_counter() - t2
         t_update = times["none" if cfg.filter == "none" else "snr"]
         t_iter = t_roll + t_diag + t_update
+        if device.type == "cuda" or it == 0:  # the CPU's resident-set peak cannot be reset: its first iteration's
+            peak_loop = max(peak_loop, peak_memory(device))  # ... before the reference steps, which pad the whole batch
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         t_gen = hf_generate_time(model, tok, eps)
         trained = seqs if cfg.filter == "none" else [seqs[g * G + i] for g in kept for i in range(G)]
         t_plain = plain_step_time(model, trained, cfg.ppo_epochs) if trained else 0.0  # nothing kept: no update to compare
+        peak_all = max(peak_all, peak_loop, peak_memory(device))
         c = clock.t
         row = dict(rollout=t_roll, prefill=c["prefill"], decode=c["decode"], env=c["env"], diag=t_diag, update=t_update,
                    update_none=times["none"], update_snr=times["snr"], kept=len(kept) / P, iter=t_iter,
@@ -152,7 +166,6 @@ def main(cfg, iters=4):
             rows.append(row)
             print(f"iter {it}: " + " ".join(f"{k}={v:.3g}" for k, v in row.items()))
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"\nmedian of {len(rows)} iterations ({cfg.filter} filter in the iteration time; not in it: the evaluation every "
           f"--eval-every steps, checkpoints{', the --gradnorm-every buckets' if cfg.gradnorm_every else ''}):")
     print(f"  iteration {med['iter']:.2f}s = rollout {med['rollout']:.2f}s (prefill {med['prefill']:.2f}s at {med['prefill_tps']:.0f} tok/s, "
@@ -161,5 +174,6 @@ def main(cfg, iters=4):
     print(f"  pure model compute: HF generate {med['hf_generate']:.2f}s + plain fwd/bwd/step {med['plain_step']:.2f}s -> overhead ratio {med['overhead']:.2f}")
     print(f"  update with --filter none {med['update_none']:.2f}s vs snr {med['update_snr']:.2f}s (kept {med['kept']:.2f} of groups): "
           + (f"{1 - med['update_snr'] / med['update_none']:.0%} shorter" if med['kept'] else "no group kept, so no update (every group's rewards were equal)"))
-    print(f"  peak memory {peak:.2f} GB ({'GPU allocated' if device.type == 'cuda' else 'process RSS'})")
+    print(f"  peak memory {peak_loop:.2f} GB in the loop alone, {peak_all:.2f} GB with the reference steps "
+          f"({'GPU allocated' if device.type == 'cuda' else 'process RSS'})")
     return med
