@@ -198,6 +198,9 @@ def amp(fn):
 def load_policy(cfg, device, quiet=False):
     """-> (model, tokenizer). 'tiny' builds and warm-starts the embedded model (cached); else from_pretrained."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    if not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()  # HF's bars ("Writing model shards"), like ours, are noise in a log file
     if cfg.model == "tiny":
         import tiny  # tokenizer + Llama built locally, warm-started on expert traces, cached (tiny.py)
         return tiny.tiny_policy(cfg, device)
@@ -512,7 +515,8 @@ def train_locked(cfg, out, quiet):
         state["maps0"] = state["maps"] = evaluate(model, tok, cfg)
         state["eval0"] = sum(state["maps0"]) / len(state["maps0"])
     P, G, log, shown = cfg.groups, cfg.group_size, {}, {}
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=quiet, desc=os.path.basename(out))
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=os.path.basename(out),
+               disable=quiet or None)  # None: no bar when stderr is a file or a pipe, where the step lines say it all
     for step in bar:
         t0 = time.time()
         torch.manual_seed(cfg.seed * 100_003 + step)  # every step reproducible, so a resumed run continues exactly

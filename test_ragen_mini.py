@@ -1499,7 +1499,8 @@ def test_cli_end_to_end_and_resume(tmp_path):
     assert runfiles.run_dir(rm.parse_args(args)) == runfiles.run_dir(rm.parse_args(args + ["--cache-dir", "/elsewhere"]))  # where the warm start is cached does not define the run
     r = run_cli(*args)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "done: eval success" in r.stdout and "kept_frac=" in r.stdout
+    assert "done: eval success" in r.stdout and "kept_frac=" in r.stdout and "warm start: 20 supervised steps" in r.stdout
+    assert "it/s" not in r.stderr  # stderr is a pipe here: no progress bars in a log, the step lines alone
     (run,) = [d for d in os.listdir(tmp_path) if d.startswith("frozenlake-snr")]
     rows = [json.loads(l) for l in open(tmp_path / run / "log.jsonl")]
     assert [r["step"] for r in rows] == [0, 1]
@@ -1511,7 +1512,7 @@ def test_cli_end_to_end_and_resume(tmp_path):
         f.write('{"step": 2, "succ')  # a line cut by an interrupt mid-write is dropped on resume
     r2 = run_cli(*args[2:], "--steps", "3")  # same command, more steps: resumes from the checkpoint at step 2
     assert r2.returncode == 0, r2.stderr[-2000:]
-    assert "resuming" in r2.stdout and "warm start" not in r2.stderr  # the cached warm start is reused
+    assert "resuming" in r2.stdout and "warm start:" not in r2.stdout  # the cached warm start is reused
     assert [r["step"] for r in map(json.loads, open(tmp_path / run / "log.jsonl"))] == [0, 1, 2]
     r3 = run_cli(*args[2:], "--steps", "4", "--lr", "1e-3", "--name", run)  # same folder, other settings: refused
     assert r3.returncode != 0 and "other settings (lr)" in r3.stderr and "Traceback" not in r3.stderr, r3.stderr[-2000:]

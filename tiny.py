@@ -100,7 +100,7 @@ def warm_start(cfg, path, device):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=1024, special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<|im_end|>",
                                   padding_side="left", chat_template=CHATML)
     tok.add_tokens(["<think>", "</think>", "<answer>", "</answer>"])  # plain (not special): decode keeps them
@@ -125,7 +125,9 @@ def warm_start(cfg, path, device):
                           "start") from e
         start = c["step"]
         print(f"warm start: resuming from step {start} ({ckpt})")
-    for i in tqdm(range(start, cfg.warmup_steps), initial=start, total=cfg.warmup_steps, desc="warm start (cached after the first run)"):
+    print(f"warm start: {cfg.warmup_steps - start} supervised steps on expert conversations (minutes on a CPU), then cached in {path}")
+    for i in tqdm(range(start, cfg.warmup_steps), initial=start, total=cfg.warmup_steps, desc="warm start",
+                  disable=None):  # None: no bar when stderr is a file or pipe (a log would get 500 of them)
         batch = sorted((expert_episode(env, s, chat, turns) for s in seeds[300 + 32 * i: 300 + 32 * (i + 1)]),
                        key=lambda b: len(b[0]))  # 32 fresh maps; similar lengths share a micro-batch: less padding
         n = sum(sum(m) for _, m in batch)  # agent tokens in the step: the loss is their mean
