@@ -1499,7 +1499,7 @@ def test_cli_end_to_end_and_resume(tmp_path):
     assert runfiles.run_dir(rm.parse_args(args)) == runfiles.run_dir(rm.parse_args(args + ["--cache-dir", "/elsewhere"]))  # where the warm start is cached does not define the run
     r = run_cli(*args)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "done: eval success" in r.stdout and "kept_frac=" in r.stdout and "warm start: 20 supervised steps" in r.stdout
+    assert "done: eval success" in r.stdout and "kept_frac=" in r.stdout and "warm start: 20 supervised steps" in r.stdout and "warm start: done in" in r.stdout
     assert "it/s" not in r.stderr  # stderr is a pipe here: no progress bars in a log, the step lines alone
     (run,) = [d for d in os.listdir(tmp_path) if d.startswith("frozenlake-snr")]
     rows = [json.loads(l) for l in open(tmp_path / run / "log.jsonl")]

@@ -4,7 +4,7 @@ A byte-level BPE tokenizer trained on the environment's own text, a 2-layer Llam
 supervised warm start on expert conversations whose <think> states the facts of the observation, so reasoning
 starts out input-dependent. Built once per setting and cached on disk; every RL --seed shares it.
 """
-import hashlib, json, math, os, random
+import hashlib, json, math, os, random, time
 
 import torch
 import torch.nn.functional as F
@@ -126,6 +126,7 @@ def warm_start(cfg, path, device):
         start = c["step"]
         print(f"warm start: resuming from step {start} ({ckpt})")
     print(f"warm start: {cfg.warmup_steps - start} supervised steps on expert conversations (minutes on a CPU), then cached in {path}")
+    t0 = time.time()
     for i in tqdm(range(start, cfg.warmup_steps), initial=start, total=cfg.warmup_steps, desc="warm start",
                   disable=None):  # None: no bar when stderr is a file or pipe (a log would get 500 of them)
         batch = sorted((expert_episode(env, s, chat, turns) for s in seeds[300 + 32 * i: 300 + 32 * (i + 1)]),
@@ -154,4 +155,5 @@ def warm_start(cfg, path, device):
     os.rmdir(path + ".tmp")
     if os.path.exists(ckpt):
         os.remove(ckpt)
+    print(f"warm start: done in {time.time() - t0:.0f}s")
     return model, tok
