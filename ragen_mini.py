@@ -499,14 +499,9 @@ def train_locked(cfg, out, quiet):
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None  # frozen start model
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     ema, log_path, ckpt = metrics.ZScoreEMA(), os.path.join(out, "log.jsonl"), os.path.join(out, "ckpt.pt")
-    start, state = 0, {"mi0": None, "ent0": None, "alarm": False, "eval0": None}
-    if c is not None:  # resume: weights, optimizer, step, and the running statistics
-        model.load_state_dict(c["model"]); opt.load_state_dict(c["opt"]); ema.load_state_dict(c["ema"])
-        start, state = c["step"], c["state"]
-        if ref is not None:
-            ref.load_state_dict(c["ref"])
-        print(f"resuming {out} from step {start}" if start < cfg.steps else f"{out} has run {start} steps"
-              + (f", more than --steps {cfg.steps}: the result of all {start}" if start > cfg.steps else ": its result"))
+    start, state = 0, {"mi0": None, "ent0": None, "alarm": False, "eval0": None}  # the loop's running statistics
+    if c is not None:  # resume: weights, optimizer, EMA, reference model, step and those statistics (save_ckpt below)
+        start, state = runfiles.restore(c, out, cfg, model=model, opt=opt, ema=ema, ref=ref)
     # control run (demo c): the regularisers x the kept fraction that another run had at each step
     reg_scales = runfiles.kept_fractions(cfg.reg_scale_from, cfg.steps) if cfg.reg_scale_from else {}
     if not quiet:
@@ -581,7 +576,7 @@ def main(argv=None):
     if __name__ == "__main__":  # the script: the model code's imports (2 s) under interrupted_early too, then
         from transformers import LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: F401  a ^C is reported below
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
+    with runfiles.one_line_errors(cfg):  # ^C: how to resume; a failing model path, a damaged folder: one line each
         if cfg.demo:
             import demo
             return demo.main(cfg)
@@ -589,19 +584,6 @@ def main(argv=None):
             import bench
             return bench.main(cfg)
         train(cfg)
-    except KeyboardInterrupt:
-        if cfg.bench:
-            sys.exit("\ninterrupted: the benchmark keeps nothing; rerun it")
-        if cfg.demo:
-            import demo
-        where = demo.demo_dir(cfg) if cfg.demo else runfiles.run_dir(cfg)
-        sys.exit(f"\ninterrupted: rerun the same command to resume from the last checkpoint{'s' * cfg.demo} in {where}"
-                 " (a warm start cut short resumes from its own, in --cache-dir)")
-    except Exception as e:  # a model path or hub id that fails, a damaged run folder or cache, an overflowing flag
-        if os.environ.get("RAGEN_MINI_TRACEBACK"):
-            raise
-        hint = "" if isinstance(e, OSError) else " (RAGEN_MINI_TRACEBACK=1 shows where)"
-        sys.exit(f"error: {e.__class__.__name__}: {(str(e).splitlines() or [repr(e)])[0]}{hint}")
 
 
 if __name__ == "__main__":

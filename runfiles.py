@@ -1,6 +1,6 @@
 """Run folders: where a run's settings, log and checkpoints live, so that rerunning a command resumes it; what a
-run leaves at its end (the exported policy, the summary); and the checks of its settings that the command line
-makes before any work starts.
+run leaves at its end (the exported policy, the summary); the checks of its settings that the command line
+makes before any work starts; and how the command line ends on ^C or an error (one line, never a traceback).
 
 Plumbing for the loop in ragen_mini.py, kept apart so that file reads as the algorithm. A run is the folder
 OUT/<name>/ holding config.json (its settings), log.jsonl (one JSON row per step), ckpt.pt (weights, optimizer,
@@ -172,6 +172,18 @@ def resume(cfg, out, device):
     return c
 
 
+def restore(c, out, cfg, **objects):
+    """Load checkpoint c (resume()'s) into the objects saved under the same names (model, opt, ema, ref: None when
+    the run keeps none) and say so. -> (the step to start from, the loop's running statistics)."""
+    for k, obj in objects.items():
+        if obj is not None:
+            obj.load_state_dict(c[k])
+    start = c["step"]
+    print(f"resuming {out} from step {start}" if start < cfg.steps else f"{out} has run {start} steps"
+          + (f", more than --steps {cfg.steps}: the result of all {start}" if start > cfg.steps else ": its result"))
+    return start, c["state"]
+
+
 def kept_fractions(path, steps=None):
     """{step: kept_frac} from another run's log.jsonl (the demo's control run scales its regularisers by them).
     A missing file raises OSError; a file that is not such a log, or one without a row for every step of
@@ -238,3 +250,24 @@ def finish(cfg, out, model, tok, state, quiet=False):
               f"{paired * bool(pairs)}; {summary['skipped']} skipped updates; {summary['sec']:.0f}s; {'logs in ' + log_path if rows else 'nothing logged (no steps)'}"
               f"{', the policy in ' + policy if os.path.isdir(policy) else ''}")
     return summary
+
+
+@contextlib.contextmanager
+def one_line_errors(cfg):
+    """The command line's last word: ^C says how to resume (nothing is lost: every run resumes from its last
+    checkpoint), and any other error is one line naming it, not a traceback (RAGEN_MINI_TRACEBACK=1 lets it through)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if cfg.bench:
+            raise SystemExit("\ninterrupted: the benchmark keeps nothing; rerun it") from None
+        if cfg.demo:
+            import demo
+        where = demo.demo_dir(cfg) if cfg.demo else run_dir(cfg)
+        raise SystemExit(f"\ninterrupted: rerun the same command to resume from the last checkpoint{'s' * cfg.demo} in {where}"
+                         " (a warm start cut short resumes from its own, in --cache-dir)") from None
+    except Exception as e:  # a model path or hub id that fails, a damaged run folder or cache, an overflowing flag
+        if os.environ.get("RAGEN_MINI_TRACEBACK"):
+            raise
+        hint = "" if isinstance(e, OSError) else " (RAGEN_MINI_TRACEBACK=1 shows where)"
+        raise SystemExit(f"error: {e.__class__.__name__}: {(str(e).splitlines() or [repr(e)])[0]}{hint}") from None
