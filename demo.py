@@ -17,7 +17,7 @@ import ragen_mini as rm
 import runfiles
 
 SETUP = dict(env="frozenlake-mixed", env_args='{"format_penalty": 0, "unsolvable_frac": 0.625}', max_turns=0, max_actions=1,
-             groups=8, group_size=8, max_new_tokens=0, steps=200, lr=1.5e-4, entropy_coeff=0.045, kl_coef=0.025, diag_every=5,
+             groups=8, group_size=8, max_new_tokens=0, steps=200, lr=1e-4, entropy_coeff=0.045, kl_coef=0.025, diag_every=5,
              gradnorm_every=5, eval_every=25, eval_episodes=128)
 
 

@@ -69,7 +69,7 @@ class Config:
     temperature: float = 1.0  # sampling temperature for training rollouts
     # --- GRPO ---
     steps: int = 60  # RL iterations
-    lr: float = 3e-5  # AdamW learning rate (paper: 1e-6 for 3B models; the --demo uses 1.5e-4)
+    lr: float = 3e-5  # AdamW learning rate (paper: 1e-6 for 3B models; the --demo uses 1e-4)
     adv: str = "grpo"  # advantage: grpo = (R-mean)/(std+1e-6), drgrpo = R-mean (ref: adv_estimator; TRL: scale_rewards)
     clip_low: float = 0.2  # PPO clip range below 1 (ref: clip_ratio_low; TRL: epsilon)
     clip_high: float = 0.28  # PPO clip range above 1 (ref: clip_ratio_high; TRL: epsilon_high)
