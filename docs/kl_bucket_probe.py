@@ -5,7 +5,7 @@ package. Run from the repo root:
     python docs/kl_bucket_probe.py --read LOG    # only the report, from any log with bucket readings
 
 Training, it runs exactly what the demo's run (a) runs on a 2-core CPU (demo.SETUP, no filter, one torch thread,
-bucket readings at every step with reward spread: every logged value of seeds 0, 3, 4 and 6 equals the demo's own
+bucket readings at every step with reward spread: every logged value of seeds 0-4 and 6 equals the demo's own
 run with --gradnorm-every 1) and adds to each reading, per reward-variance bucket b, the bucket's mean k3 KL value
 `klv_b{b}` (from the forward the KL gradient is taken from) and its agent-token count `ntok_b{b}`; training is
 untouched. The report (see `report`) reads the norms within each step, since they grow several-fold over a run,
