@@ -21,7 +21,7 @@ import demo
 import metrics
 import ragen_mini as rm
 
-seen = []  # (KL value, agent tokens) of each loss_terms call since the last reading began
+seen = []  # (KL value, agent tokens) of each bucket's loss_terms call in the reading under way
 _loss_terms, _grad_norms = rm.loss_terms, rm.grad_norms_by_bucket
 
 
@@ -32,27 +32,31 @@ def loss_terms(*args, **kw):
 
 
 def grad_norms_by_bucket(model, ref, seqs, returns, cfg, n_buckets=3):
+    """rm.grad_norms_by_bucket, with loss_terms recording during it only (the update's calls stay as they are)."""
     seen.clear()
-    log = _grad_norms(model, ref, seqs, returns, cfg, n_buckets)
+    rm.loss_terms = loss_terms
+    try:
+        log = _grad_norms(model, ref, seqs, returns, cfg, n_buckets)
+    finally:
+        rm.loss_terms = _loss_terms
     filled = [b for b, g in enumerate(metrics.variance_buckets(returns.var(1).tolist(), n_buckets)) if g]
-    for b, (kl, n) in zip(filled, seen):  # grad_norms_by_bucket calls loss_terms once per non-empty bucket, in order
+    for b, (kl, n) in zip(filled, seen):  # it calls loss_terms once per non-empty bucket, in order
         log |= {f"klv_b{b}": kl, f"ntok_b{b}": n}
     return log
 
 
 def report(log, title):
     """Per bucket: medians over the steps with spread (step 0 left out: no KL yet) of the KL gradient norm (also over
-    the first and the second half of those steps apart), of each
-    bucket's share of its step's norm (3 norm_b / sum of the three: the step's own scale divided out), and, where the
-    log has them, of the KL value, the token count and the shares of norm x sqrt(tokens), without and with / KL."""
+    the first and the second half of those steps apart) and of each bucket's share of its step's norm (3 norm_b / sum
+    of the three: the step's own scale divided out); where the log has them, also of the KL value, the token count
+    and the shares of norm x sqrt(tokens), without and with a division by the KL value."""
     rows = [r for r in rm.runfiles.read_log(log) if "gn_kl_b0" in r and r["rv_b2"] > 0 and min(r[f"gn_kl_b{b}"] for b in range(3)) > 0]
-    med = lambda f: [statistics.median(f(r, b) for r in rows) for b in range(3)]
+    med = lambda f, some=rows: [statistics.median(f(r, b) for r in some) for b in range(3)]
     share = lambda f: med(lambda r, b: 3 * f(r, b) / sum(f(r, c) for c in range(3)))
     norm = lambda r, b: r[f"gn_kl_b{b}"]
     half = len(rows) // 2
-    lines = [("KL gradient norm", med(norm)), ("  over the first half", [statistics.median(norm(r, b) for r in rows[:half]) for b in range(3)]),
-             ("  over the second half", [statistics.median(norm(r, b) for r in rows[half:]) for b in range(3)]),
-             ("its share of the step's", share(norm))]
+    lines = [("KL gradient norm", med(norm)), ("  over the first half", med(norm, rows[:half])),
+             ("  over the second half", med(norm, rows[half:])), ("its share of the step's", share(norm))]
     if "klv_b0" in rows[0]:
         scaled = lambda r, b: norm(r, b) * r[f"ntok_b{b}"] ** 0.5
         lines += [("KL value (k3, token mean)", med(lambda r, b: r[f"klv_b{b}"])), ("agent tokens", med(lambda r, b: r[f"ntok_b{b}"])),
@@ -66,7 +70,7 @@ if sys.argv[1] == "--read":  # a finished run's log, e.g. the demo's own run (a)
     report(sys.argv[2], sys.argv[2])
     sys.exit()
 seed, out = int(sys.argv[1]), sys.argv[2]
-rm.loss_terms, rm.grad_norms_by_bucket = loss_terms, grad_norms_by_bucket  # the loop looks both up at call time
+rm.grad_norms_by_bucket = grad_norms_by_bucket  # the loop looks it up at call time
 torch.set_num_threads(max(1, torch.get_num_threads() // 2))  # as the demo's runs (one thread each on 2 cores): the same rounding
 flags = demo.SETUP | dict(gradnorm_every=1, seed=seed, filter="none", out=os.path.dirname(out) or ".", name=os.path.basename(out))
 rm.main([f"--{k.replace('_', '-')}={v}" for k, v in flags.items()])  # on a finished run: prints its result again
