@@ -6,9 +6,10 @@ deterministically from the seed and returns the observation text, `step(action)`
 action that solves the instance (used for the supervised warm start and in the tests).
 
 The agent replies `<think> ... </think> <answer> a1 || a2 </answer>`; `parse_reply` splits that and
-`step_reply` applies up to two actions. An invalid action costs the env's `format_penalty` (FORMAT_PENALTY,
--0.1, unless `make_env(..., format_penalty=x)` says otherwise), leaves the state unchanged, and the episode goes
-on. `ENVS` is the registry and `make_env(name)` builds one by name.
+`step_reply` applies up to two actions. A malformed reply, or one with invalid actions, costs the env's
+`format_penalty` once for the turn (FORMAT_PENALTY, -0.1, unless `make_env(..., format_penalty=x)` says otherwise;
+the reference code charges it per turn); an invalid action leaves the state unchanged, and the episode goes on.
+`ENVS` is the registry and `make_env(name)` builds one by name.
 Pure standard library: no torch, no numpy, no file I/O.
 """
 import ast
@@ -58,7 +59,9 @@ def step_reply(env, reply, max_actions=2):
     """Apply a whole reply: up to `max_actions` actions, stopping early when the episode ends.
 
     Returns (observation, summed reward, done, info); info has "format_ok", "valid" (all actions valid) and
-    "success". A malformed reply costs the env's format_penalty and changes nothing.
+    "success". The reward sums the actions' rewards, but an invalid action's (the env's format_penalty) counts
+    once a turn however many there are, as the reference code charges it. A malformed reply costs format_penalty
+    and changes nothing.
     """
     _need(_whole(max_actions) and max_actions >= 1, f"max_actions must be an integer >= 1, got {max_actions!r}")
     _, actions = parse_reply(reply)
@@ -67,7 +70,7 @@ def step_reply(env, reply, max_actions=2):
     total, all_valid = 0.0, True
     for action in actions[:max_actions]:
         obs, reward, done, info = env.step(action)
-        total += reward
+        total += reward if info["valid"] or all_valid else 0.0  # an invalid action's penalty: the turn's first only
         all_valid = all_valid and info["valid"]
         if done:
             break
@@ -264,7 +267,9 @@ class Bandit(Env):
     """Two named arms: steady pays 0.1 always, risky pays 1.0 with probability 0.25 (expected 0.25).
 
     One pull ends the episode; success = picking the arm with the higher expected value (the risky one).
-    The payout is drawn from an RNG seeded by the reset seed, so a group sharing a seed shares the draw.
+    The payout is drawn from an RNG seeded by the reset seed, so a group sharing a seed shares the draw (as in the
+    reference code): in three groups of four the risky arm pays 0 to every sample that pulls it, so group-relative
+    advantages push towards the steady arm more often than towards the risky one.
 
         observation:  Arms: owl (steady) , comet (risky)
         reply:        <think> comet risky 0.25 ; owl steady 0.1 ; comet higher </think> <answer> comet </answer>

@@ -136,7 +136,7 @@ THINK = "<think>"  # prefilled after the generation prompt: the agent always sta
 
 
 def user_turn(turn, obs, turns_left, reward=None):
-    """The user message of one turn (reference code's wording, shortened)."""
+    """The user message of one turn (reference code's wording, shortened; it counts the actions left, we count turns)."""
     head = "" if reward is None else f"Reward: {reward:g}\n"
     return (f"{head}Turn {turn}:\nState:\n{obs}\nYou have {turns_left} turns left. "
             f"Always output: <think> ... </think> <answer> ... </answer>")
@@ -329,7 +329,8 @@ def filter_groups(returns, mode="snr", p=0.9, k=0.25, score="std", include_zero=
     snr: sort groups by reward spread, keep the shortest prefix whose spread reaches p of the total minus 0.01 (the
     reference code's tolerance; p >= 1 keeps all); topk: keep the int(k * P) groups with the largest spread (at
     least 1). Zero-spread groups are then dropped unless include_zero (snr with p < 1 never keeps one: the prefix
-    is full before them). An empty list means: skip this update."""
+    is full before them). An empty list means: skip this update. The 0.01 is in the score's units: under var (squared
+    units) a batch whose group variances sum to under 0.011, e.g. only single format errors, keeps nothing."""
     s = returns.std(1) if score == "std" else returns.var(1)  # unbiased, over the G samples of a group
     s = torch.nan_to_num(s, 0.0)  # group_size 1 has no spread
     order = torch.argsort(s, descending=True, stable=True).tolist()

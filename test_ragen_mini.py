@@ -161,6 +161,14 @@ def test_step_reply():
                                           {"valid": False, "success": False, "format_ok": False})
     obs, reward, done, info = step_reply(env, reply("t", "up", "jump"))  # second action invalid
     assert reward == pytest.approx(-0.1 + FORMAT_PENALTY) and not info["valid"] and info["format_ok"]
+    env.reset(0)  # two invalid actions: the penalty once for the turn (the reference code's), not once per action
+    assert step_reply(env, reply("t", "jump", "fly"))[1:3] == (FORMAT_PENALTY, False)
+    env = make_env("sokoban", format_penalty=-0.5)
+    env.reset(0)
+    assert step_reply(env, reply("t", "jump", "fly"))[1] == -0.5
+    env = make_env("countdown", max_turns=2)  # countdown's own rule: an answer that does not parse earns 0
+    env.reset(0)
+    assert step_reply(env, reply("t", "1+", "2*"))[1] == 0.0 and step_reply(env, reply("t", "1+"))[1] == 0.0
     env = make_env("frozenlake")  # three moves: only two are applied
     env.reset(1)
     env.pos, env.goal, env.holes = (0, 0), (3, 3), set()
