@@ -82,7 +82,8 @@ def heldout_mi(model, tok, cfg):
         torch.manual_seed(k)
         eps = rm.rollout(model, tok, cfg, [10**6 + k * HELDOUT_MAPS + i for i in range(HELDOUT_MAPS)], cfg.group_size, cfg.temperature)
         out.append(rm.diagnostics(model, tok, eps, cfg.group_size, rm.metrics.ZScoreEMA()))
-    return {key: sum(d[key] for d in out) / len(out) for key in ("mi", "retrieval", "retrieval_chance")}
+    out = [d for d in out if "mi" in d]  # a batch with no reasoning (or one distinct prompt) has no MI proxies
+    return {key: sum(d[key] for d in out) / len(out) if out else float("nan") for key in ("mi", "retrieval", "retrieval_chance")}
 
 
 @torch.no_grad()
@@ -124,7 +125,7 @@ def bucket_norms(rows):
     return mean, se, paired, len(rows)
 
 
-def plot(runs, path, eval_start=None):
+def plot(runs, path, eval_start=None, eval_temperature=0.5):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -132,7 +133,7 @@ def plot(runs, path, eval_start=None):
     except ImportError:
         print("matplotlib is not installed (pip install matplotlib): no figure; plot from the JSONL logs instead")
         return False
-    keys = [("eval_success", "eval success (T=0.5)"), ("token_entropy", "reasoning token entropy"),
+    keys = [("eval_success", f"eval success (T={eval_temperature:g})"), ("token_entropy", "reasoning token entropy"),
             ("mi", "MI estimate (nats)"), ("retrieval", "retrieval accuracy"), ("kept_frac", "kept fraction")]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (k, title) in zip(axes.flat, keys):
@@ -287,7 +288,7 @@ def main(cfg):
                             alarm="fired" if any(r.get("alarm") for r in rows) else "quiet", sec=f"{times[label]:.0f}s")
     for label, h in held.items():  # the same held-out batches for every model
         stats[label] |= dict(mi_held=h["mi"], ret_held=h["retrieval"] - h["retrieval_chance"])
-    names = [("eval_success", f"eval success ({base.eval_episodes} held-out maps, T=0.5)"), ("token_entropy", "reasoning token entropy"),
+    names = [("eval_success", f"eval success ({base.eval_episodes} held-out maps, T={base.eval_temperature:g})"), ("token_entropy", "reasoning token entropy"),
              ("mi", "MI estimate (nats)"), ("ret", "retrieval accuracy above chance"),
              ("mi_held", f"MI estimate, held-out batches (mean of {HELDOUT_BATCHES} x {HELDOUT_MAPS} maps x {base.group_size})"),
              ("ret_held", "retrieval above chance, held-out batches"),
@@ -323,6 +324,6 @@ def main(cfg):
     report = "\n".join(table + lines) + "\n\n" + "\n".join(text)
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(report + "\n")
-    png = plot(runs, os.path.join(out, "demo.png"), eval_start)
+    png = plot(runs, os.path.join(out, "demo.png"), eval_start, base.eval_temperature)
     print("\n" + report)
     print(f"\ndemo finished in {time.time() - t0:.0f}s; written to {out}/" + (" (table.md, demo.png)" if png else " (table.md)"))

@@ -182,7 +182,7 @@ def mi_metrics(L, col, keys, tie_tol=1e-6):
 
 
 class ZScoreEMA:
-    """MI z-score with an EMA of the batch std of marginal across steps.
+    """MI z-score with an EMA of the batch std of marginal across readings (the loop reads every --diag-every steps).
 
     s_1 = std(marginal_1); s_t = decay * s_{t-1} + (1 - decay) * std(marginal_t)   (population std)
     update() returns mean((matched - marginal) / (s_t + eps)). An empty batch returns NaN, state unchanged.

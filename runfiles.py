@@ -185,7 +185,8 @@ def restore(c, out, cfg, **objects):
 
 
 def kept_fractions(path, steps=None):
-    """{step: kept_frac} from another run's log.jsonl (the demo's control run scales its regularisers by them).
+    """{step: kept_frac} from another run's log.jsonl (the demo's control run scales its regularisers by them); a
+    step that run skipped (nothing kept, or a non-finite loss: its regularisers did not act) reads 0.
     A missing file raises OSError; a file that is not such a log, or one without a row for every step of
     range(steps), ValueError: never a silent scale of 1. A last line cut mid-write is left out, as read_log does."""
     if os.path.exists(path) and not os.path.isfile(path):  # a folder, a FIFO (reading one would block), a device
@@ -194,7 +195,7 @@ def kept_fractions(path, steps=None):
         lines = [l for l in f if l.endswith("\n") and l.strip()]
     try:
         rows = [json.loads(l) for l in lines]
-        scales = {r["step"]: float(r["kept_frac"]) for r in rows}
+        scales = {r["step"]: 0.0 if r.get("skipped") else float(r["kept_frac"]) for r in rows}
     except (ValueError, KeyError, TypeError):  # not JSON, a row that is no dict, a key missing
         scales = {}
     if not scales:

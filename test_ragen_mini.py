@@ -654,6 +654,8 @@ def test_kept_fractions_read_a_log_or_refuse_it(tmp_path):
     good = tmp_path / "log.jsonl"
     good.write_text('{"step": 0, "kept_frac": 0.25, "mi": 1.0}\n{"step": 1, "kept_frac": 1}\n')
     assert runfiles.kept_fractions(good) == {0: 0.25, 1: 1.0}
+    (tmp_path / "nan.jsonl").write_text('{"step": 0, "kept_frac": 0.5, "skipped": 1, "loss": null}\n')  # a NaN step: no update
+    assert runfiles.kept_fractions(tmp_path / "nan.jsonl") == {0: 0.0}
     for i, text in enumerate(["", "# notes\n", '{"step": 0}\n', "[1, 2]\n", '{"step": 0, "kept_frac": "x"}\n']):
         (tmp_path / f"bad{i}").write_text(text)
         with pytest.raises(ValueError, match="is not a run's log.jsonl"):
