@@ -5,7 +5,10 @@ Runs a few GRPO iterations with the given settings and prints, per iteration, wh
     iteration time / pure model compute
 where pure model compute is timed in the same run on the same work: Hugging Face `model.generate` for every turn
 (same sequences, same context lengths, same number of new tokens) plus one plain forward+backward+AdamW step over
-the same training batch. Also: the update time with --filter none vs snr on the same rollouts, and peak memory.
+the same training batch. That plain step is what a plain trainer runs (one padded batch, the full LM head); the
+update's own kernels do less, so it also prints the update against a plain NLL step on those kernels (the same
+micro-batches, the LM head on the agent's tokens only): what the GRPO terms and the code around them cost. Also:
+the update time with --filter none vs snr (or --filter's rule) on the same rollouts, and peak memory.
 Run it alone: two CPU-heavy processes on 2 cores slow torch many times over.
 """
 import copy, dataclasses, resource, statistics, time
@@ -22,20 +25,29 @@ class Clock:
 
     def __init__(self, model):
         self.t = dict(prefill=0.0, decode=0.0, env=0.0, prefill_tok=0, decode_tok=0)
-        self.on = False
+        self.on, self.depth = False, 0
         model.register_forward_pre_hook(self.pre, with_kwargs=True)
         model.register_forward_hook(self.post, with_kwargs=True)
-        envs.step_reply = self.timed(envs.step_reply)  # environment time: every step of every episode ...
-        rm.make_env = self.timed(rm.make_env)  # ... and building the envs (a one-shot command: patched for good)
+        envs.step_reply = self.timed(envs.step_reply)  # environment time: every step of every episode, and building,
+        rm.make_env = self.timed_env(rm.make_env)  # resetting and rendering the envs (a one-shot command: patched for good)
 
     def timed(self, fn):
         def wrapper(*a, **k):
-            t0 = time.perf_counter()
+            if self.depth:  # inside another timed env call (step renders): counted there
+                return fn(*a, **k)
+            self.depth, t0 = 1, time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                self.t["env"] += time.perf_counter() - t0
+                self.depth, self.t["env"] = 0, self.t["env"] + time.perf_counter() - t0
         return wrapper
+
+    def timed_env(self, make_env):
+        def build(*a, **k):
+            env = self.timed(make_env)(*a, **k)
+            env.reset, env.render = self.timed(env.reset), self.timed(env.render)
+            return env
+        return build
 
     def pre(self, module, args, kwargs):
         sync()
@@ -108,6 +120,27 @@ def plain_step_time(model, seqs, epochs=1):
     return time.perf_counter() - t0
 
 
+@rm.amp
+def own_kernels_step_time(model, seqs, cfg):
+    """The update's own kernels with a plain loss: the same length-sorted micro-batches, the LM head on the agent's
+    tokens only, next-token NLL, a backward per micro-batch and one AdamW step per epoch. update / this = the cost of
+    the GRPO terms (clipped ratio, full-softmax entropy, KL's reference forward) and of the code around them."""
+    model = copy.deepcopy(model).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    order, total = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0])), sum(sum(s[1]) for s in seqs)
+    sync(); t0 = time.perf_counter()
+    for _ in range(cfg.ppo_epochs):
+        opt.zero_grad()
+        for i in range(0, len(seqs), cfg.micro_batch):
+            ids, _, mask = rm.pad_right([seqs[j][:2] for j in order[i:i + cfg.micro_batch]], 0, model.device)
+            sel = mask[:, 1:].bool()
+            logp = rm.agent_logprobs(model, ids, sel, 1.0).gather(-1, ids[:, 1:][sel][:, None])
+            (-logp.sum() / max(total, 1)).backward()
+        opt.step()
+    sync()
+    return time.perf_counter() - t0
+
+
 def main(cfg, iters=4):
     cfg = dataclasses.replace(cfg, bench=False)
     device = rm.pick_device(cfg.device)
@@ -156,12 +189,15 @@ def main(cfg, iters=4):
         t_gen = hf_generate_time(model, tok, eps)
         trained = seqs if cfg.filter == "none" else [seqs[g * G + i] for g in kept for i in range(G)]
         t_plain = plain_step_time(model, trained, cfg.ppo_epochs) if trained else 0.0  # nothing kept: no update to compare
+        t_own = own_kernels_step_time(model, trained, cfg) if trained else 0.0
         peak_all = max(peak_all, peak_loop, peak_memory(device))
         c = clock.t
         row = dict(rollout=t_roll, prefill=c["prefill"], decode=c["decode"], env=c["env"], diag=t_diag, update=t_update,
                    update_none=times["none"], update_snr=times["snr"], kept=len(kept) / P, iter=t_iter,
                    prefill_tps=c["prefill_tok"] / max(c["prefill"], 1e-9), decode_tps=c["decode_tok"] / max(c["decode"], 1e-9),
-                   hf_generate=t_gen, plain_step=t_plain, overhead=t_iter / (t_gen + t_plain))
+                   hf_generate=t_gen, plain_step=t_plain, overhead=t_iter / (t_gen + t_plain),
+                   own_step=t_own, update_vs_own=t_update / t_own if t_own else 0.0,
+                   own_overhead=t_iter / (c["prefill"] + c["decode"] + t_diag + t_own))  # the loop's own forwards, timed in it
         if it:
             rows.append(row)
             print(f"iter {it}: " + " ".join(f"{k}={v:.3g}" for k, v in row.items()))
@@ -172,7 +208,12 @@ def main(cfg, iters=4):
           f"decode {med['decode']:.2f}s at {med['decode_tps']:.0f} tok/s, env {med['env']:.3f}s) + diagnostics {med['diag']:.2f}s + update {med['update']:.2f}s")
     print(f"  shares of the iteration: env {med['env'] / med['iter']:.1%}, diagnostics {med['diag'] / med['iter']:.1%}, update {med['update'] / med['iter']:.1%}")
     print(f"  pure model compute: HF generate {med['hf_generate']:.2f}s + plain fwd/bwd/step {med['plain_step']:.2f}s -> overhead ratio {med['overhead']:.2f}")
-    print(f"  update with --filter none {med['update_none']:.2f}s vs snr {med['update_snr']:.2f}s (kept {med['kept']:.2f} of groups): "
+    print(f"  the update against a plain NLL step on its own kernels (same micro-batches, LM head on the agent's tokens only): "
+          f"{med['update']:.2f}s vs {med['own_step']:.2f}s -> {med['update_vs_own']:.2f}x")
+    print(f"  the rollout outside the model's forwards (sampling, tokenizing, the env, bookkeeping): "
+          f"{med['rollout'] - med['prefill'] - med['decode']:.2f}s of {med['rollout']:.2f}s; the iteration against the loop's own "
+          f"kernels (its rollout forwards + diagnostics + that plain step): {med['own_overhead']:.2f}")
+    print(f"  update with --filter none {med['update_none']:.2f}s vs {rule} {med['update_snr']:.2f}s (kept {med['kept']:.2f} of groups): "
           + (f"{1 - med['update_snr'] / med['update_none']:.0%} shorter" if med['kept'] else "no group kept, so no update (every group's rewards were equal)"))
     print(f"  peak memory {peak_loop:.2f} GB in the loop alone, {peak_all:.2f} GB with the reference steps "
           f"({'GPU allocated' if device.type == 'cuda' else 'process RSS'})")

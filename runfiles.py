@@ -22,8 +22,8 @@ def flag_problem(cfg):
     breaks a rule is named), the model folder, the control run's log, the device."""
     try:
         assert isinstance(json.loads(cfg.env_args), dict)
-    except (ValueError, AssertionError):
-        return f"--env-args must be a JSON object, got {cfg.env_args!r}"
+    except (ValueError, AssertionError, RecursionError):  # RecursionError: nested thousands deep
+        return f"--env-args must be a JSON object, got {cfg.env_args[:80]!r}"
     args, turns = json.loads(cfg.env_args), cfg.max_turns if cfg.max_turns > 0 else None  # < 0: its range check below
     if turns and "max_turns" in args:
         return "give the turn limit once: --max-turns or max_turns in --env-args"

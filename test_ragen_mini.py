@@ -1810,7 +1810,7 @@ def test_bench_says_when_the_filter_keeps_nothing(tmp_path, monkeypatch, capsys)
 
 @pytest.mark.parametrize("args, message", [
     (["--filter", "bogus"], "invalid choice"), (["--env", "chess"], "invalid choice"), (["--no-such-flag"], "unrecognized"),
-    (["--env-args", "{oops"], "JSON object"), (["--env-args", '{"holes": 3}'], "do not fit env"),
+    (["--env-args", "{oops"], "JSON object"), (["--env-args", "[" * 100_000], "JSON object"), (["--env-args", '{"holes": 3}'], "do not fit env"),
     (["--env-args", '{"format_penalty": "high"}'], "do not fit env"), (["--groups", "0"], ">= 1"), (["--max-new-tokens", "-1"], ">= 0"),
     (["--model", "/nonexistent/model", "--steps", "1"], "no such folder"), (["--env-args", '{"slip": "x"}'], "do not fit env"),
     (["--env-args", '{"max_turns": -1}'], "max_turns must be an integer in [1, 100]"), (["--env", "sokoban", "--env-args", '{"size": 3}'], "do not fit env"),
