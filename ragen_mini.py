@@ -224,6 +224,9 @@ def load_policy(cfg, device, quiet=False):
     with torch.no_grad():  # rtol: in bf16 a logit near 30 moves in steps of 0.125; a softcap at 30 moves it by 7
         if not torch.allclose(model(input_ids=probe).logits[0].float(), agent_logits(model, probe, probe >= 0).float(), rtol=1e-2, atol=1e-2):
             sys.exit(f"error: {cfg.model}: its forward changes the logits after the LM head (e.g. softcapping): not supported")
+    c = model.config.to_dict()  # a window counts cache slots, and the rollout's cache holds padding: a row sees too little
+    if c.get("sliding_window") and c.get("use_sliding_window", True) or set(c.get("layer_types") or []) - {"full_attention"}:
+        sys.exit(f"error: {cfg.model}: sliding-window attention is not supported (the rollout's KV cache holds padding)")
     return model, tok
 
 
@@ -392,8 +395,10 @@ def loss_terms(model, ref, batch, adv, cfg):
 @torch.no_grad()
 def training_logprobs(model, seqs, order, cfg):
     """The agent tokens' log-probs under the training forward, in update()'s micro-batches. -> seqs with them as old
-    log-probs. Under bf16 the KV-cached sampler and this forward round differently, so pi / pi_old would not start at 1."""
+    log-probs. Under bf16 the KV-cached sampler and this forward round differently, so pi / pi_old would not start at 1.
+    In eval mode, as the sampler ran: a model with dropout would otherwise get noisy old log-probs."""
     out = list(seqs)
+    model.eval()
     for i in range(0, len(seqs), cfg.micro_batch):
         idx = order[i:i + cfg.micro_batch]
         ids, _, mask = pad_right([seqs[j][:2] for j in idx], 0, model.device)
@@ -401,6 +406,7 @@ def training_logprobs(model, seqs, order, cfg):
         old[:, 1:][sel] = agent_logprobs(model, ids, sel, cfg.temperature).gather(-1, ids[:, 1:][sel][:, None])[:, 0]
         for k, j in enumerate(idx):
             out[j] = tuple(seqs[j][:2]) + (old[k, :len(seqs[j][0])].tolist(),)
+    model.train()  # update() trains in train mode
     return out
 
 

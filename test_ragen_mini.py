@@ -2033,6 +2033,24 @@ def test_model_whose_logits_are_softcapped_is_refused_and_a_plain_one_loads(tiny
     assert "note" not in capsys.readouterr().out
 
 
+def test_model_with_sliding_window_attention_is_refused(tiny, tmp_path):
+    """The rollout's kept KV cache holds padding (left-padded chunks, finished rows), and a sliding window counts cache
+    slots, not positions: a row would see fewer real tokens than the training forward does (a random Mistral with a
+    128-token window: sampler and fresh log-probs 0.2 apart). load_policy refuses such a model; without the window
+    (sliding_window None, as Qwen2.5 and Mistral-7B v0.2 ship) it loads."""
+    from transformers import MistralConfig, MistralForCausalLM
+    _, _, tok = tiny
+    for name, window in (("window", 128), ("none", None)):
+        MistralForCausalLM(MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, sliding_window=window,
+                                         pad_token_id=tok.pad_token_id)).save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    with pytest.raises(SystemExit, match="sliding-window attention is not supported"):
+        rm.load_policy(rm.parse_args(["--model", str(tmp_path / "window")]), torch.device("cpu"))
+    model, _ = rm.load_policy(rm.parse_args(["--model", str(tmp_path / "none")]), torch.device("cpu"))
+    assert type(model).__name__ == "MistralForCausalLM"
+
+
 def test_model_folder_under_home_loads_with_a_tilde(tiny, tmp_path, monkeypatch):
     _, model, tok = tiny
     model.save_pretrained(tmp_path / "home" / "m"); tok.save_pretrained(tmp_path / "home" / "m")
