@@ -6,9 +6,10 @@ deterministically from the seed and returns the observation text, `step(action)`
 action that solves the instance (used for the supervised warm start and in the tests).
 
 The agent replies `<think> ... </think> <answer> a1 || a2 </answer>`; `parse_reply` splits that and
-`step_reply` applies up to two actions. A malformed reply, or one with invalid actions, costs the env's
-`format_penalty` once for the turn (FORMAT_PENALTY, -0.1, unless `make_env(..., format_penalty=x)` says otherwise;
-the reference code charges it per turn); an invalid action leaves the state unchanged, and the episode goes on.
+`step_reply` applies up to `max_actions` (default 2) actions. A malformed reply, or one with invalid actions,
+costs the env's `format_penalty` once for the turn (FORMAT_PENALTY, -0.1, unless `make_env(..., format_penalty=x)`
+says otherwise; the reference code charges it per turn; countdown: an invalid expression earns 0); an invalid
+action leaves the state unchanged, and the episode goes on.
 `ENVS` is the registry and `make_env(name)` builds one by name.
 Pure standard library: no torch, no numpy, no file I/O.
 """
