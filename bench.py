@@ -43,8 +43,9 @@ class Clock:
         return wrapper
 
     def timed_env(self, make_env):
+        make_env = self.timed(make_env)
         def build(*a, **k):
-            env = self.timed(make_env)(*a, **k)
+            env = make_env(*a, **k)
             env.reset, env.render = self.timed(env.reset), self.timed(env.render)
             return env
         return build
@@ -106,36 +107,28 @@ def hf_generate_time(model, tok, eps):
 
 
 @rm.amp  # in bf16 on a GPU, as the loop's own update runs
-def plain_step_time(model, seqs, epochs=1):
-    """Pure training cost: `epochs` forward+backward+AdamW steps over the same padded batch (next-token loss)."""
+def plain_step_time(model, seqs, cfg, own_kernels=False):
+    """Pure training cost: --ppo-epochs forward+backward+AdamW steps over the same episodes, next-token NLL on the
+    agent's tokens, the batches padded before the clock starts. By default what a plain trainer runs: one padded
+    batch through the full LM head. own_kernels: the update's own kernels instead (its length-sorted micro-batches,
+    the LM head on the agent's tokens only), so update / this = the cost of the GRPO terms (clipped ratio,
+    full-softmax entropy, KL's reference forward) and of the code around them."""
     model = copy.deepcopy(model).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    ids, attn, mask = rm.pad_right([s[:2] for s in seqs], 0, model.device)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))  # as update() orders them
+    chunks = [order[i:i + cfg.micro_batch] for i in range(0, len(seqs), cfg.micro_batch)] if own_kernels else [order]
+    batches, total = [rm.pad_right([seqs[j][:2] for j in idx], 0, model.device) for idx in chunks], sum(sum(s[1]) for s in seqs)
     sync(); t0 = time.perf_counter()
-    for _ in range(epochs):  # the update makes --ppo-epochs optimizer steps on its batch
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-        loss = (F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none") * mask[:, 1:]).sum() / mask.sum()
-        opt.zero_grad(); loss.backward(); opt.step()
-    sync()
-    return time.perf_counter() - t0
-
-
-@rm.amp
-def own_kernels_step_time(model, seqs, cfg):
-    """The update's own kernels with a plain loss: the same length-sorted micro-batches, the LM head on the agent's
-    tokens only, next-token NLL, a backward per micro-batch and one AdamW step per epoch. update / this = the cost of
-    the GRPO terms (clipped ratio, full-softmax entropy, KL's reference forward) and of the code around them."""
-    model = copy.deepcopy(model).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    order, total = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0])), sum(sum(s[1]) for s in seqs)
-    sync(); t0 = time.perf_counter()
-    for _ in range(cfg.ppo_epochs):
+    for _ in range(cfg.ppo_epochs):  # the update makes --ppo-epochs optimizer steps on its batch
         opt.zero_grad()
-        for i in range(0, len(seqs), cfg.micro_batch):
-            ids, _, mask = rm.pad_right([seqs[j][:2] for j in order[i:i + cfg.micro_batch]], 0, model.device)
-            sel = mask[:, 1:].bool()
-            logp = rm.agent_logprobs(model, ids, sel, 1.0).gather(-1, ids[:, 1:][sel][:, None])
-            (-logp.sum() / max(total, 1)).backward()
+        for ids, attn, mask in batches:
+            if own_kernels:
+                sel = mask[:, 1:].bool()
+                nll = -rm.agent_logprobs(model, ids, sel, 1.0).gather(-1, ids[:, 1:][sel][:, None]).sum()
+            else:
+                logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+                nll = (F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none") * mask[:, 1:]).sum()
+            (nll / max(total, 1)).backward()
         opt.step()
     sync()
     return time.perf_counter() - t0
@@ -188,8 +181,8 @@ def main(cfg, iters=4):
             torch.cuda.reset_peak_memory_stats()
         t_gen = hf_generate_time(model, tok, eps)
         trained = seqs if cfg.filter == "none" else [seqs[g * G + i] for g in kept for i in range(G)]
-        t_plain = plain_step_time(model, trained, cfg.ppo_epochs) if trained else 0.0  # nothing kept: no update to compare
-        t_own = own_kernels_step_time(model, trained, cfg) if trained else 0.0
+        t_plain = plain_step_time(model, trained, cfg) if trained else 0.0  # nothing kept: no update to compare
+        t_own = plain_step_time(model, trained, cfg, own_kernels=True) if trained else 0.0
         peak_all = max(peak_all, peak_loop, peak_memory(device))
         c = clock.t
         row = dict(rollout=t_roll, prefill=c["prefill"], decode=c["decode"], env=c["env"], diag=t_diag, update=t_update,
