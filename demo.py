@@ -8,8 +8,9 @@ Task: frozenlake-mixed (3 turns, 5 maps in 8 unsolvable) without the format pena
 map has exactly zero reward variance; a strong entropy bonus and a small KL to the start model, the regularisers
 whose push is the same for every input.
 Writes DEMO_DIR/{table.md (the table, gradient norms and sample reasonings), demo.png} and the three runs' JSONL logs.
+Its figure also serves `--plot RUN,RUN,...` (plot_runs): the same curves for any runs, from their logs.
 """
-import copy, dataclasses, hashlib, json, multiprocessing, multiprocessing.connection, os, signal, statistics, sys, threading, time
+import copy, dataclasses, hashlib, json, math, multiprocessing, multiprocessing.connection, os, signal, statistics, sys, threading, time
 
 import torch
 
@@ -126,6 +127,8 @@ def bucket_norms(rows):
 
 
 def plot(runs, path, eval_start=None, eval_temperature=0.5):
+    """The runs' curves ({label: log rows}) in one PNG at path; eval_start: the start model's evaluation, one for all
+    runs or {label: value}. -> False (and a message) without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -133,27 +136,62 @@ def plot(runs, path, eval_start=None, eval_temperature=0.5):
     except ImportError:
         print("matplotlib is not installed (pip install matplotlib): no figure; plot from the JSONL logs instead")
         return False
-    keys = [("eval_success", f"eval success (T={eval_temperature:g})"), ("token_entropy", "reasoning token entropy"),
+    keys = [("eval_success", "eval success" + (f" (T={eval_temperature:g})" if eval_temperature is not None else "")), ("token_entropy", "reasoning token entropy"),
             ("mi", "MI estimate (nats)"), ("retrieval", "retrieval accuracy"), ("kept_frac", "kept fraction")]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (k, title) in zip(axes.flat, keys):
         for label, rows in runs.items():
             # x = updates done: a step's diagnostics come before its update, its evaluation after it
             pts = [(r["step"] + (k == "eval_success"), r[k]) for r in rows if k in r]
-            pts = ([(0, eval_start)] if k == "eval_success" and eval_start is not None else []) + pts  # the warm start's
+            e0 = eval_start.get(label) if isinstance(eval_start, dict) else eval_start  # the start model's
+            pts = ([(0, e0)] if k == "eval_success" and e0 is not None else []) + pts
             ax.plot(*zip(*pts), label=label, marker="." if k == "eval_success" else None)
-        if k == "retrieval":
-            ax.axhline(last(runs[next(iter(runs))], "retrieval_chance"), color="grey", ls=":", label="chance")
+        if k == "retrieval" and math.isfinite(chance := last(runs[next(iter(runs))], "retrieval_chance")):  # nan: no MI
+            ax.axhline(chance, color="grey", ls=":", label="chance")
         ax.set_title(title); ax.set_xlabel("updates")
     axes.flat[0].legend()
-    ax = axes.flat[5]  # gradient norms by reward-variance bucket, averaged over the logged steps of run (a)
-    norms, se, _, _ = bucket_norms(runs[next(iter(runs))])
-    for i, (name, vals) in enumerate(norms.items()):  # error bars: standard error over the logged steps
+    ax, first = axes.flat[5], next(iter(runs))  # gradient norms by reward-variance bucket, over the first run's logged steps
+    norms, se, _, n = bucket_norms(runs[first])
+    for i, (name, vals) in enumerate(norms.items() if n else []):  # error bars: standard error over the logged steps
         ax.bar([b + 0.27 * (i - 1) for b in range(3)], vals, yerr=se[name], capsize=2, width=0.27, label=name)
-    ax.set_xticks(range(3), ["low RV", "mid RV", "high RV"]); ax.set_title("gradient norm by reward-variance bucket (a)")
-    ax.legend()
+    if n:
+        ax.set_xticks(range(3), ["low RV", "mid RV", "high RV"]); ax.set_title(f"gradient norm by reward-variance bucket: {os.path.basename(first)}")
+        ax.legend()
+    else:  # the first run did not log them (--gradnorm-every 0, the default outside the demo): the batches' success
+        for label, rows in runs.items():
+            ax.plot([r["step"] for r in rows], [r["success"] for r in rows], label=label, lw=0.8)
+        ax.set_title("success on the training batches"); ax.set_xlabel("updates")
     fig.tight_layout(); fig.savefig(path, dpi=90)
     return True
+
+
+def plot_runs(cfg):
+    """`--plot RUN,RUN,...`: any runs' curves in one figure, OUT/plot.png (success, entropy, MI, retrieval, kept
+    fraction, and the first run's gradient buckets if it logged them), and their last readings as a table: an MI
+    dashboard to compare, e.g., --filter none with --filter snr on your own task. It reads only their log.jsonl."""
+    runs = {run: rows_of(run) for run in filter(None, cfg.plot.split(","))}  # parse_args checked each has rows
+    start = {run: start_eval(run) for run in runs}
+    tail = lambda rows, k, n: statistics.fmean([r[k] for r in rows if k in r][-n:] or [float("nan")])
+    print("| run | steps | success (last 10 steps) | eval: start -> last | token entropy | MI estimate | retrieval (chance) | "
+          "kept fraction | skipped | alarm |\n" + "|---" * 10 + "|")
+    for run, rows in runs.items():  # the last reading of each diagnostic, as in the demo's table
+        print(f"| {run} | {len(rows)} | {tail(rows, 'success', 10):.3f} | {float('nan') if start[run] is None else start[run]:.3f} -> {last(rows, 'eval_success'):.3f} | "
+              f"{last(rows, 'token_entropy'):.3f} | {last(rows, 'mi'):.3f} | {last(rows, 'retrieval'):.3f} "
+              f"({last(rows, 'retrieval_chance'):.3f}) | {tail(rows, 'kept_frac', len(rows)):.3f} | "
+              f"{sum(r.get('skipped', 0) for r in rows)} | {'fired' if any(r.get('alarm') for r in rows) else 'quiet'} |")
+    os.makedirs(cfg.out, exist_ok=True)
+    path = os.path.join(cfg.out, "plot.png")
+    if plot(runs, path, start, eval_temperature=None):
+        print(f"figure: {path}")
+
+
+def start_eval(run):
+    """A run's evaluation before its first update, kept in its checkpoint's state (not in the log); None if unreadable.
+    mmap: a real model's checkpoint is read for this number without loading its weights."""
+    try:
+        return torch.load(os.path.join(run, "ckpt.pt"), map_location="cpu", mmap=True, weights_only=False)["state"]["eval0"]
+    except Exception:  # no checkpoint yet (a run stopped before --save-every steps), or an older format
+        return None
 
 
 def exit_with(parent):

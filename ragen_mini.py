@@ -100,6 +100,7 @@ class Config:
     device: str = "auto"  # auto | cpu | cuda | mps
     demo: bool = False  # run the template-collapse demo (demo.py) instead of one training run
     bench: bool = False  # run the speed benchmark (bench.py) instead of training
+    plot: str = ""  # run folders, comma-separated: their curves in one figure (OUT/plot.png) and last readings, instead of training
 
 
 def parse_args(argv=None) -> Config:
@@ -584,9 +585,9 @@ def main(argv=None):
         from transformers import LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: F401  a ^C is reported below
         signal.signal(signal.SIGINT, signal.default_int_handler)
     with runfiles.one_line_errors(cfg):  # ^C: how to resume; a failing model path, a damaged folder: one line each
-        if cfg.demo:
+        if cfg.demo or cfg.plot:
             import demo
-            return demo.main(cfg)
+            return demo.plot_runs(cfg) if cfg.plot else demo.main(cfg)
         if cfg.bench:
             import bench
             return bench.main(cfg)

@@ -48,7 +48,8 @@ def flag_problem(cfg):
               ("temperature", "> 0 (greedy samples of a group are all alike: no spread to learn from)", c.temperature > 0),
               ("name", "one folder name (no '/', not '.' or '..'): runs go under --out", c.name in ("", os.path.basename(c.name)) and c.name not in (".", "..")),
               ("tiny_dim", "a positive multiple of 8 (4 heads of even size)", c.tiny_dim > 0 and c.tiny_dim % 8 == 0),
-              ("bench", "left out with --demo (one job a command)", not (c.demo and c.bench))]
+              ("bench", "left out with --demo (one job a command)", not (c.demo and c.bench)),
+              ("plot", "left out with --demo and --bench (one job a command)", not (c.plot and (c.demo or c.bench)))]
     bad = {}
     for f, need, ok in rules:  # the first unmet requirement of each flag
         if not ok:
@@ -66,6 +67,12 @@ def flag_problem(cfg):
             return f"--model {cfg.model}: {e.strerror}"
         if not any(f == "config.json" or f.endswith(".gguf") for f in files):
             return f"--model {cfg.model}: the folder holds no model (no config.json, no .gguf file)"
+    for run in filter(None, cfg.plot.split(",")):  # the runs to plot: each a folder with a readable log
+        try:
+            if not read_log(os.path.join(run, "log.jsonl")):
+                return f"--plot {run}: no run there (no log.jsonl with a step in it)"
+        except (OSError, ValueError) as e:
+            return f"--plot {run}: its log.jsonl is unreadable ({e.__class__.__name__})"
     try:  # the control run's scales: checked now, read when the run starts
         if cfg.reg_scale_from:
             kept_fractions(cfg.reg_scale_from, cfg.steps)
@@ -78,7 +85,7 @@ def flag_problem(cfg):
 
 def run_key(cfg):
     """The settings that make a run what it is: a resume must match them (--save-every may change between reruns)."""
-    skip = ("demo", "bench", "device", "out", "name", "steps", "cache_dir", "save_every")
+    skip = ("demo", "bench", "plot", "device", "out", "name", "steps", "cache_dir", "save_every")
     return {k: v for k, v in asdict(cfg).items() if k not in skip}
 
 
@@ -260,8 +267,8 @@ def one_line_errors(cfg):
     try:
         yield
     except KeyboardInterrupt:
-        if cfg.bench:
-            raise SystemExit("\ninterrupted: the benchmark keeps nothing; rerun it") from None
+        if cfg.bench or cfg.plot:
+            raise SystemExit(f"\ninterrupted: {'the benchmark' if cfg.bench else '--plot'} keeps nothing; rerun it") from None
         if cfg.demo:
             import demo
         where = demo.demo_dir(cfg) if cfg.demo else run_dir(cfg)

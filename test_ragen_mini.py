@@ -1455,7 +1455,7 @@ def test_flag_rules(change, message):
 
 def test_every_setting_of_a_run_names_its_folder():
     """A run folder is resumed only by the settings that made it: each key of run_key changes the folder's name."""
-    base, plumbing = rm.Config(), {"demo", "bench", "device", "steps", "cache_dir", "save_every"}  # how, how long, where
+    base, plumbing = rm.Config(), {"demo", "bench", "plot", "device", "steps", "cache_dir", "save_every"}  # how, how long, where
     other = {bool: lambda v: not v, int: lambda v: v + 1, float: lambda v: v * 2 + 0.1, str: lambda v: v + "x"}
     for f in (f for f in dataclasses.fields(base) if f.name not in ("out", "name")):  # those two are the folder
         changed = dataclasses.replace(base, **{f.name: other[f.type](getattr(base, f.name))})
@@ -1780,6 +1780,42 @@ def test_demo_code_path_runs_shortened(tmp_path, monkeypatch, capsys, threads):
         assert "matplotlib is not installed" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("matplotlib_missing", [False, True])
+def test_plot_draws_and_tabulates_any_runs(tmp_path, monkeypatch, capsys, matplotlib_missing):
+    """--plot RUN,RUN: the runs' last readings as a table (from their log.jsonl alone) and their curves in OUT/plot.png,
+    or, without matplotlib, the table and a message. A run without gradient buckets and one with them both draw."""
+    runs = [tmp_path / "none", tmp_path / "snr"]
+    for k, run in enumerate(runs):
+        run.mkdir()
+        rows = [dict(step=s, success=(s % 4) / 4 + k / 8, kept_frac=1.0 - 0.5 * k, **({"mi": 1.0 - s / 20 + k, "token_entropy": 0.5,
+                     "retrieval": 0.9, "retrieval_chance": 0.125} if s % 5 == 0 else {})) for s in range(20)]
+        rows[9]["eval_success"], rows[19]["eval_success"] = 0.25, 0.5 + k / 4
+        if k == 0:
+            rows[15]["alarm"] = 1
+        else:
+            rows[7]["skipped"] = 1
+            for r in rows[:10]:  # the gradient buckets, as --gradnorm-every logs them
+                r |= {f"gn_{n}_b{b}": 0.1 * (b + 1) for n in ("task", "entropy", "kl") for b in range(3)} | {"rv_b2": 0.2}
+        runfiles.write_log(run / "log.jsonl", rows)
+    runfiles.save_ckpt(str(runs[1] / "ckpt.pt"), state={"eval0": 0.0})  # the start's evaluation, kept in the checkpoint
+    if matplotlib_missing:
+        monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    rm.main(["--plot", ",".join(map(str, runs)), "--out", str(tmp_path / "o")])
+    out = capsys.readouterr().out
+    table = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in out.splitlines() if line.startswith(f"| {tmp_path}")}
+    # steps, success over the last 10 steps, eval at the start (none without a checkpoint) -> last, entropy, MI (the last reading, step 15), retrieval, kept, skipped, alarm
+    assert table[str(runs[0])] == ["20", "0.425", "nan -> 0.500", "0.500", "0.250", "0.900 (0.125)", "1.000", "0", "fired |"]
+    assert table[str(runs[1])] == ["20", "0.550", "0.000 -> 0.750", "0.500", "1.250", "0.900 (0.125)", "0.500", "1", "quiet |"]
+    png = tmp_path / "o" / "plot.png"
+    try:
+        import matplotlib  # noqa: F401 (optional dependency)
+        assert png.stat().st_size > 10_000 and f"figure: {png}" in out
+        rm.main(["--plot", f"{runs[1]},{runs[0]}", "--out", str(tmp_path / "o2")])  # the first run's buckets drawn
+        assert (tmp_path / "o2" / "plot.png").stat().st_size > 10_000
+    except ImportError:
+        assert "matplotlib is not installed" in out and not png.exists()
+
+
 def test_bench_code_path_prints_its_figures(tmp_path):
     r = run_cli("--bench", *SMALL, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path), timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -1816,7 +1852,8 @@ def test_bench_says_when_the_filter_keeps_nothing(tmp_path, monkeypatch, capsys)
     (["--grad-clip", "-1"], "--grad-clip must be > 0"),  # a negative max norm would flip the gradient's sign
     (["--group-size", "1"], "--group-size must be >= 2"),  # GRPO's advantages would all be 0
     (["--filter-k", "0"], "--filter-k must be in (0, 1]"), (["--filter-p", "-0.5"], "--filter-p must be > 0"),
-    (["--tiny-dim", "10"], "--tiny-dim must be a positive multiple of 8"), (["--tiny-layers", "0"], "--tiny-layers must be >= 1")]
+    (["--tiny-dim", "10"], "--tiny-dim must be a positive multiple of 8"), (["--tiny-layers", "0"], "--tiny-layers must be >= 1"),
+    (["--plot", "/nonexistent/run"], "--plot /nonexistent/run: no run there"), (["--plot", HERE, "--bench"], "--plot must be left out with")]
     + ([(["--device", "cuda"], "not available")] if not torch.cuda.is_available() else []))
 def test_bad_input_gets_one_clear_line(args, message, tmp_path):
     r = run_cli(*args, "--out", str(tmp_path), timeout=120)
