@@ -169,7 +169,7 @@ def plot_runs(cfg):
     """`--plot RUN,RUN,...`: any runs' curves in one figure, OUT/plot.png (success, entropy, MI, retrieval, kept
     fraction, and the first run's gradient buckets if it logged them), and their last readings as a table: an MI
     dashboard to compare, e.g., --filter none with --filter snr on your own task. It reads only their log.jsonl."""
-    runs = {run: rows_of(run) for run in filter(None, cfg.plot.split(","))}  # parse_args checked each has rows
+    runs = {run: rows_of(run) for run in runfiles.plotted(cfg)}  # parse_args checked each has rows
     start = {run: start_eval(run) for run in runs}
     tail = lambda rows, k, n: statistics.fmean([r[k] for r in rows if k in r][-n:] or [float("nan")])
     print("| run | steps | success (last 10 steps) | eval: start -> last | token entropy | MI estimate | retrieval (chance) | "

@@ -67,7 +67,7 @@ def flag_problem(cfg):
             return f"--model {cfg.model}: {e.strerror}"
         if not any(f == "config.json" or f.endswith(".gguf") for f in files):
             return f"--model {cfg.model}: the folder holds no model (no config.json, no .gguf file)"
-    for run in filter(None, cfg.plot.split(",")):  # the runs to plot: each a folder with a readable log
+    for run in plotted(cfg):  # the runs to plot: each a folder with a readable log
         try:
             if not read_log(os.path.join(run, "log.jsonl")):
                 return f"--plot {run}: no run there (no log.jsonl with a step in it)"
@@ -81,6 +81,20 @@ def flag_problem(cfg):
     if cfg.device == "cuda" and not torch.cuda.is_available() or cfg.device == "mps" and not torch.backends.mps.is_available():
         return f"--device {cfg.device} is not available on this machine (try --device auto)"
     return None
+
+
+def plotted(cfg):
+    """The run folders --plot names (comma-separated, ~ allowed); a folder without a log of its own stands for the runs
+    in it that have one (`--plot runs/demo-s0`: the demo's three runs; `--plot runs`: every run)."""
+    out = []
+    for run in (os.path.expanduser(r.strip()) for r in cfg.plot.split(",") if r.strip()):
+        try:
+            inside = sorted(os.path.join(run, d) for d in os.listdir(run) if os.path.isfile(os.path.join(run, d, "log.jsonl"))) \
+                if os.path.isdir(run) and not os.path.exists(os.path.join(run, "log.jsonl")) else []
+        except OSError:  # unreadable: flag_problem names it
+            inside = []
+        out += inside or [run]
+    return out
 
 
 def run_key(cfg):

@@ -1806,6 +1806,8 @@ def test_plot_draws_and_tabulates_any_runs(tmp_path, monkeypatch, capsys, matplo
     # steps, success over the last 10 steps, eval at the start (none without a checkpoint) -> last, entropy, MI (the last reading, step 15), retrieval, kept, skipped, alarm
     assert table[str(runs[0])] == ["20", "0.425", "nan -> 0.500", "0.500", "0.250", "0.900 (0.125)", "1.000", "0", "fired |"]
     assert table[str(runs[1])] == ["20", "0.550", "0.000 -> 0.750", "0.500", "1.250", "0.900 (0.125)", "0.500", "1", "quiet |"]
+    rm.main(["--plot", f" {tmp_path} ", "--out", str(tmp_path / "o")])  # a folder of runs stands for the runs in it
+    assert capsys.readouterr().out.split("figure")[0] == out.split("figure")[0]
     png = tmp_path / "o" / "plot.png"
     try:
         import matplotlib  # noqa: F401 (optional dependency)
