@@ -447,18 +447,20 @@ def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
 @amp
 def diagnostics(model, tok, eps, G, ema):
     """Entropy and MI proxies on the unfiltered batch (README "Metrics"): cross-score every first-turn
-    reasoning z_i under every group's first prompt x_j, L[i, j] = log p(z_i | x_j). {} when no episode wrote any."""
+    reasoning z_i under every group's first prompt x_j, L[i, j] = log p(z_i | x_j). Only think_len (0) when no
+    episode wrote any reasoning: a model that skips it."""
     prompts = [eps[g * G]["first_prompt"] for g in range(len(eps) // G)]
     reasons = [tok(e["first_think"] or "", add_special_tokens=False).input_ids for e in eps]
+    length = {"think_len": sum(map(len, reasons)) / len(reasons)}  # mean tokens of a first-turn reasoning
     if not any(reasons):
-        return {}
+        return length
     col = torch.arange(len(eps)) // G  # c(i): the column of each reasoning's own prompt
     cs = metrics.cross_score(model, prompts, reasons, tok.pad_token_id, matched=col.tolist())
     keys = [tuple(p) for p in prompts]  # identical prompts (same seed twice) are the same column
     if len(set(keys)) < 2:  # one distinct prompt (--groups 1, or an env whose start never varies): no MI to estimate
-        return {"token_entropy": cs["entropy"]}
+        return {"token_entropy": cs["entropy"]} | length
     mi, mi_sum = metrics.mi_metrics(cs["L_mean"], col, keys), metrics.mi_metrics(cs["L_sum"], col, keys)
-    return {"token_entropy": cs["entropy"], "mi": mi["mi"], "mi_seq": mi_sum["mi"], "retrieval": mi["retrieval_acc"],
+    return {"token_entropy": cs["entropy"]} | length | {"mi": mi["mi"], "mi_seq": mi_sum["mi"], "retrieval": mi["retrieval_acc"],
             "retrieval_chance": mi["retrieval_chance"], "h_cond": mi["h_cond"], "h_marg": mi["h_marg"],
             "mi_zscore": mi["mi_zscore"], "mi_zscore_ema": ema.update(mi["matched"], mi["marginal"])}
 
@@ -536,7 +538,7 @@ def train_locked(cfg, out, quiet):
         # 3. diagnostics on the unfiltered batch, so filtered and unfiltered runs are measured alike
         seqs = [(e["ids"], e["mask"], e["logp"]) for e in eps]
         if step % cfg.diag_every == 0 or step == cfg.steps - 1:
-            log |= diagnostics(model, tok, eps, G, ema)  # {} if no episode wrote any first-turn reasoning
+            log |= diagnostics(model, tok, eps, G, ema)  # think_len alone if no episode wrote a first-turn reasoning
         if "mi" in log:
             state["mi0"] = state["mi0"] if state["mi0"] is not None else log["mi"]
             state["ent0"] = state["ent0"] if state["ent0"] is not None else log["token_entropy"]

@@ -1222,6 +1222,18 @@ def test_diagnostics_score_each_reasoning_against_each_groups_first_prompt(tiny,
     assert seen["reasons"] == [tok(e["first_think"], add_special_tokens=False).input_ids for e in eps]
 
 
+def test_diagnostics_log_the_reasoning_length_even_when_it_is_skipped(tiny):
+    """think_len: the mean token count of the first-turn reasonings; a batch that skipped reasoning altogether (a
+    small model closing </think> at once) logs it as 0 and nothing else, since there is nothing to score."""
+    cfg, model, tok = tiny
+    eps = [dict(first_prompt=[10 + i // 2], first_think=t) for i, t in enumerate(["", None, "", ""])]
+    assert rm.diagnostics(model, tok, eps, 2, ZScoreEMA()) == {"think_len": 0.0}
+    texts = ["P 0 1 G 2 1 : goal down", "", "hole right", "P 3 3"]
+    eps = [dict(first_prompt=tok("Turn 1: map " + str(i // 2)).input_ids, first_think=t) for i, t in enumerate(texts)]
+    d = rm.diagnostics(model, tok, eps, 2, ZScoreEMA())
+    assert d["think_len"] == sum(len(tok(t, add_special_tokens=False).input_ids) for t in texts) / 4 > 2 and "mi" in d
+
+
 def test_diagnostics_need_two_distinct_prompts_for_the_mi_proxies(tiny):
     """With one distinct first prompt (--groups 1, or every group from the same start) there is no input to depend
     on: the step logs the reasoning's token entropy and no MI proxies (they would read mi 0 and retrieval 1 = chance)."""
@@ -1230,7 +1242,7 @@ def test_diagnostics_need_two_distinct_prompts_for_the_mi_proxies(tiny):
     for seeds in ([5], [5, 5]):
         eps = rm.rollout(model, tok, cfg, seeds, 2, 1.0)
         d = rm.diagnostics(model, tok, eps, 2, ZScoreEMA())
-        assert list(d) == ["token_entropy"] and d["token_entropy"] > 0, seeds
+        assert list(d) == ["token_entropy", "think_len"] and d["token_entropy"] > 0, seeds
     eps = rm.rollout(model, tok, cfg, [5, 6], 2, 1.0)
     d = rm.diagnostics(model, tok, eps, 2, ZScoreEMA())
     reasons = [tok(e["first_think"] or "", add_special_tokens=False).input_ids for e in eps]
