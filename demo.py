@@ -172,11 +172,11 @@ def plot_runs(cfg):
     runs = {run: rows_of(run) for run in runfiles.plotted(cfg)}  # parse_args checked each has rows
     start = {run: start_eval(run) for run in runs}
     tail = lambda rows, k, n: statistics.fmean([r[k] for r in rows if k in r][-n:] or [float("nan")])
-    print("| run | steps | success (last 10 steps) | eval: start -> last | token entropy | MI estimate | retrieval (chance) | "
-          "kept fraction | skipped | alarm |\n" + "|---" * 10 + "|")
+    print("| run | steps | success (last 10 steps) | eval: start -> last | token entropy | reasoning tokens | MI estimate | "
+          "retrieval (chance) | kept fraction | skipped | alarm |\n" + "|---" * 11 + "|")
     for run, rows in runs.items():  # the last reading of each diagnostic, as in the demo's table
         print(f"| {run} | {len(rows)} | {tail(rows, 'success', 10):.3f} | {float('nan') if start[run] is None else start[run]:.3f} -> {last(rows, 'eval_success'):.3f} | "
-              f"{last(rows, 'token_entropy'):.3f} | {last(rows, 'mi'):.3f} | {last(rows, 'retrieval'):.3f} "
+              f"{last(rows, 'token_entropy'):.3f} | {last(rows, 'think_len'):.1f} | {last(rows, 'mi'):.3f} | {last(rows, 'retrieval'):.3f} "
               f"({last(rows, 'retrieval_chance'):.3f}) | {tail(rows, 'kept_frac', len(rows)):.3f} | "
               f"{sum(r.get('skipped', 0) for r in rows)} | {'fired' if any(r.get('alarm') for r in rows) else 'quiet'} |")
     os.makedirs(cfg.out, exist_ok=True)
@@ -316,18 +316,18 @@ def main(cfg):
     table = ["| | warm start | " + " | ".join(runs) + " |", "|---" * (len(runs) + 2) + "|"]
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
     stats = {"warm start": dict(eval_success=eval_start,
-                                **{k: first.get(k, float("nan")) for k in ("token_entropy", "mi", "mi_zscore_ema")},
+                                **{k: first.get(k, float("nan")) for k in ("token_entropy", "think_len", "mi", "mi_zscore_ema")},
                                 ret=first.get("retrieval", float("nan")) - first.get("retrieval_chance", float("nan")),
                                 kept="-", skipped="-", alarm="-", sec="-")}
     for label, rows in runs.items():
-        stats[label] = dict(eval_success=last(rows, "eval_success"), token_entropy=last(rows, "token_entropy"), mi=last(rows, "mi"),
+        stats[label] = dict(eval_success=last(rows, "eval_success"), token_entropy=last(rows, "token_entropy"), think_len=last(rows, "think_len"), mi=last(rows, "mi"),
                             ret=last(rows, "retrieval") - last(rows, "retrieval_chance"), mi_zscore_ema=last(rows, "mi_zscore_ema"),
                             kept=sum(r["kept_frac"] for r in rows) / len(rows), skipped=sum(r.get("skipped", 0) for r in rows),
                             alarm="fired" if any(r.get("alarm") for r in rows) else "quiet", sec=f"{times[label]:.0f}s")
     for label, h in held.items():  # the same held-out batches for every model
         stats[label] |= dict(mi_held=h["mi"], ret_held=h["retrieval"] - h["retrieval_chance"])
     names = [("eval_success", f"eval success ({base.eval_episodes} held-out maps, T={base.eval_temperature:g})"), ("token_entropy", "reasoning token entropy"),
-             ("mi", "MI estimate (nats)"), ("ret", "retrieval accuracy above chance"),
+             ("think_len", "reasoning length (tokens, first turn)"), ("mi", "MI estimate (nats)"), ("ret", "retrieval accuracy above chance"),
              ("mi_held", f"MI estimate, held-out batches (mean of {HELDOUT_BATCHES} x {HELDOUT_MAPS} maps x {base.group_size})"),
              ("ret_held", "retrieval above chance, held-out batches"),
              ("mi_zscore_ema", "MI z-score (EMA)"),

@@ -1779,7 +1779,7 @@ def test_demo_code_path_runs_shortened(tmp_path, monkeypatch, capsys, threads):
     assert differ("a_no_filter", "b_snr_filter") == {"filter", "name", "gradnorm_every"} and cfgs["b_snr_filter"]["filter"] == "snr"
     assert differ("a_no_filter", "c_control") == {"name", "gradnorm_every", "reg_scale_from"}
     table = (out / "table.md").read_text()
-    for needle in ["| eval success", "| MI estimate", "| MI estimate, held-out batch", "| collapse alarm", "gradient norms by reward-variance bucket",
+    for needle in ["| eval success", "| reasoning length", "| MI estimate", "| MI estimate, held-out batch", "| collapse alarm", "gradient norms by reward-variance bucket",
                    "--- map 1000000 ---", "answer follows a teacher-forced reasoning"]:
         assert needle in table, needle
     duels = re.findall(r"  (.+?) solves (\d+) maps that (.+?) fails and fails (\d+) that it solves: sign test p = ", table)
@@ -1799,7 +1799,7 @@ def test_plot_draws_and_tabulates_any_runs(tmp_path, monkeypatch, capsys, matplo
     runs = [tmp_path / "none", tmp_path / "snr"]
     for k, run in enumerate(runs):
         run.mkdir()
-        rows = [dict(step=s, success=(s % 4) / 4 + k / 8, kept_frac=1.0 - 0.5 * k, **({"mi": 1.0 - s / 20 + k, "token_entropy": 0.5,
+        rows = [dict(step=s, success=(s % 4) / 4 + k / 8, kept_frac=1.0 - 0.5 * k, **({"mi": 1.0 - s / 20 + k, "token_entropy": 0.5, "think_len": 12.0 + s,
                      "retrieval": 0.9, "retrieval_chance": 0.125} if s % 5 == 0 else {})) for s in range(20)]
         rows[9]["eval_success"], rows[19]["eval_success"] = 0.25, 0.5 + k / 4
         if k == 0:
@@ -1815,9 +1815,9 @@ def test_plot_draws_and_tabulates_any_runs(tmp_path, monkeypatch, capsys, matplo
     rm.main(["--plot", ",".join(map(str, runs)), "--out", str(tmp_path / "o")])
     out = capsys.readouterr().out
     table = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in out.splitlines() if line.startswith(f"| {tmp_path}")}
-    # steps, success over the last 10 steps, eval at the start (none without a checkpoint) -> last, entropy, MI (the last reading, step 15), retrieval, kept, skipped, alarm
-    assert table[str(runs[0])] == ["20", "0.425", "nan -> 0.500", "0.500", "0.250", "0.900 (0.125)", "1.000", "0", "fired |"]
-    assert table[str(runs[1])] == ["20", "0.550", "0.000 -> 0.750", "0.500", "1.250", "0.900 (0.125)", "0.500", "1", "quiet |"]
+    # steps, success over the last 10 steps, eval at the start (none without a checkpoint) -> last, entropy, length, MI (the last reading, step 15), retrieval, kept, skipped, alarm
+    assert table[str(runs[0])] == ["20", "0.425", "nan -> 0.500", "0.500", "27.0", "0.250", "0.900 (0.125)", "1.000", "0", "fired |"]
+    assert table[str(runs[1])] == ["20", "0.550", "0.000 -> 0.750", "0.500", "27.0", "1.250", "0.900 (0.125)", "0.500", "1", "quiet |"]
     rm.main(["--plot", f" {tmp_path} ", "--out", str(tmp_path / "o")])  # a folder of runs stands for the runs in it
     assert capsys.readouterr().out.split("figure")[0] == out.split("figure")[0]
     png = tmp_path / "o" / "plot.png"
