@@ -149,7 +149,7 @@ def plot(runs, path, eval_start=None, eval_temperature=0.5):
         if k == "retrieval" and math.isfinite(chance := last(runs[next(iter(runs))], "retrieval_chance")):  # nan: no MI
             ax.axhline(chance, color="grey", ls=":", label="chance")
         ax.set_title(title); ax.set_xlabel("updates")
-    axes.flat[0].legend()
+    next((a for a in axes.flat if a.lines), axes.flat[0]).legend()  # (no run evaluated yet: on the next panel)
     ax, first = axes.flat[5], next(iter(runs))  # gradient norms by reward-variance bucket, over the first run's logged steps
     norms, se, _, n = bucket_norms(runs[first])
     for i, (name, vals) in enumerate(norms.items() if n else []):  # error bars: standard error over the logged steps
@@ -168,7 +168,8 @@ def plot(runs, path, eval_start=None, eval_temperature=0.5):
 def plot_runs(cfg):
     """`--plot RUN,RUN,...`: any runs' curves in one figure, OUT/plot.png (success, entropy, MI, retrieval, kept
     fraction, and the first run's gradient buckets if it logged them), and their last readings as a table: an MI
-    dashboard to compare, e.g., --filter none with --filter snr on your own task. It reads only their log.jsonl."""
+    dashboard to compare, e.g., --filter none with --filter snr on your own task. It reads their log.jsonl, and the
+    start's evaluation from their ckpt.pt."""
     runs = {run: rows_of(run) for run in runfiles.plotted(cfg)}  # parse_args checked each has rows
     start = {run: start_eval(run) for run in runs}
     tail = lambda rows, k, n: statistics.fmean([r[k] for r in rows if k in r][-n:] or [float("nan")])
@@ -189,7 +190,7 @@ def start_eval(run):
     """A run's evaluation before its first update, kept in its checkpoint's state (not in the log); None if unreadable.
     mmap: a real model's checkpoint is read for this number without loading its weights."""
     try:
-        return torch.load(os.path.join(run, "ckpt.pt"), map_location="cpu", mmap=True, weights_only=False)["state"]["eval0"]
+        return torch.load(os.path.join(run, "ckpt.pt"), map_location="cpu", mmap=True, weights_only=True)["state"]["eval0"]
     except Exception:  # no checkpoint yet (a run stopped before --save-every steps), or an older format
         return None
 

@@ -101,7 +101,7 @@ class Config:
     device: str = "auto"  # auto | cpu | cuda | mps
     demo: bool = False  # run the template-collapse demo (demo.py) instead of one training run
     bench: bool = False  # run the speed benchmark (bench.py) instead of training
-    plot: str = ""  # run folders, comma-separated: their curves in one figure (OUT/plot.png) and last readings, instead of training
+    plot: str = ""  # run folders, comma-separated (a folder of runs: all of them): their last readings and curves (OUT/plot.png), instead of training
 
 
 def parse_args(argv=None) -> Config:

@@ -67,12 +67,14 @@ def flag_problem(cfg):
             return f"--model {cfg.model}: {e.strerror}"
         if not any(f == "config.json" or f.endswith(".gguf") for f in files):
             return f"--model {cfg.model}: the folder holds no model (no config.json, no .gguf file)"
-    for run in plotted(cfg):  # the runs to plot: each a folder with a readable log
-        try:
-            if not read_log(os.path.join(run, "log.jsonl")):
-                return f"--plot {run}: no run there (no log.jsonl with a step in it)"
-        except (OSError, ValueError) as e:
-            return f"--plot {run}: its log.jsonl is unreadable ({e.__class__.__name__})"
+    if "plot" in getattr(cfg, "typed", ()) and not plotted(cfg):  # --plot "" (an empty $RUNS) must not start a run
+        return "--plot needs a run folder (or a folder of runs)"
+    for run in plotted(cfg):  # the runs to plot: each a folder whose log has a step
+        rows = logged(run)
+        if isinstance(rows, Exception):
+            return f"--plot {run}: its log.jsonl is not a run's log ({rows.__class__.__name__}: {str(rows)[:80]})"
+        if not rows:
+            return f"--plot {run}: no run there (no log.jsonl with a step in it)"
     try:  # the control run's scales: checked now, read when the run starts
         if cfg.reg_scale_from:
             kept_fractions(cfg.reg_scale_from, cfg.steps)
@@ -85,16 +87,25 @@ def flag_problem(cfg):
 
 def plotted(cfg):
     """The run folders --plot names (comma-separated, ~ allowed); a folder without a log of its own stands for the runs
-    in it that have one (`--plot runs/demo-s0`: the demo's three runs; `--plot runs`: every run)."""
+    below it that have logged a step (`--plot runs/demo-s0`: the demo's three runs; `--plot runs`: every run, the
+    demos' included). A run that has not logged a step yet is left out there, and named directly it is refused."""
     out = []
     for run in (os.path.expanduser(r.strip()) for r in cfg.plot.split(",") if r.strip()):
-        try:
-            inside = sorted(os.path.join(run, d) for d in os.listdir(run) if os.path.isfile(os.path.join(run, d, "log.jsonl"))) \
-                if os.path.isdir(run) and not os.path.exists(os.path.join(run, "log.jsonl")) else []
-        except OSError:  # unreadable: flag_problem names it
-            inside = []
-        out += inside or [run]
+        if os.path.isdir(run) and not os.path.exists(os.path.join(run, "log.jsonl")):
+            below = sorted(d for d, _, files in os.walk(run) if "log.jsonl" in files)  # unreadable folders: skipped
+            out += [d for d in below if logged(d) != []] or [run]  # none: flag_problem says "no run there"
+        else:
+            out.append(run)
     return out
+
+
+def logged(run):
+    """A run's log rows, [] when it has none with a step, or the exception that reading it raised."""
+    try:
+        rows = read_log(os.path.join(run, "log.jsonl"))
+    except (OSError, ValueError) as e:
+        return e
+    return rows if all(isinstance(r, dict) and "step" in r for r in rows) else ValueError("rows without a step")
 
 
 def run_key(cfg):
@@ -138,11 +149,13 @@ def locked(out, wait=False):
 
 
 def read_log(path):
-    """The rows of a run's JSONL log ([] if there is none yet); a last line cut mid-write by an interrupt is left out."""
+    """The rows of a run's JSONL log ([] if there is none yet); a last line cut mid-write by an interrupt is left out.
+    A null (write_log's non-finite number) is read back as NaN."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(l) for l in f if l.endswith("\n")]
+        rows = [json.loads(l) for l in f if l.endswith("\n")]
+    return [{k: math.nan if v is None else v for k, v in r.items()} if isinstance(r, dict) else r for r in rows]
 
 
 def write_log(path, rows, mode="a"):

@@ -1541,7 +1541,7 @@ def test_cli_end_to_end_and_resume(tmp_path):
     (run,) = [d for d in os.listdir(tmp_path) if d.startswith("frozenlake-snr")]
     rows = [json.loads(l) for l in open(tmp_path / run / "log.jsonl")]
     assert [r["step"] for r in rows] == [0, 1]
-    for key in ["success", "reward", "kept_frac", "rv_before", "rv_after", "token_entropy", "mi", "retrieval", "sec"]:
+    for key in ["success", "reward", "kept_frac", "rv_before", "rv_after", "token_entropy", "think_len", "mi", "retrieval", "sec"]:
         assert key in rows[0], key
     assert any(r["rv_before"] > 0 and r["kept_frac"] > 0 and "skipped" not in r for r in rows)  # an update ran
     assert all(("gn_task_b0" in r) == (r["rv_before"] > 0) for r in rows)  # gradient buckets on the steps with reward spread
@@ -1803,7 +1803,7 @@ def test_plot_draws_and_tabulates_any_runs(tmp_path, monkeypatch, capsys, matplo
                      "retrieval": 0.9, "retrieval_chance": 0.125} if s % 5 == 0 else {})) for s in range(20)]
         rows[9]["eval_success"], rows[19]["eval_success"] = 0.25, 0.5 + k / 4
         if k == 0:
-            rows[15]["alarm"] = 1
+            rows[15] |= {"alarm": 1, "token_entropy": math.nan, "loss": math.nan}  # written as null, read back as NaN
         else:
             rows[7]["skipped"] = 1
             for r in rows[:10]:  # the gradient buckets, as --gradnorm-every logs them
@@ -1816,7 +1816,7 @@ def test_plot_draws_and_tabulates_any_runs(tmp_path, monkeypatch, capsys, matplo
     out = capsys.readouterr().out
     table = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in out.splitlines() if line.startswith(f"| {tmp_path}")}
     # steps, success over the last 10 steps, eval at the start (none without a checkpoint) -> last, entropy, length, MI (the last reading, step 15), retrieval, kept, skipped, alarm
-    assert table[str(runs[0])] == ["20", "0.425", "nan -> 0.500", "0.500", "27.0", "0.250", "0.900 (0.125)", "1.000", "0", "fired |"]
+    assert table[str(runs[0])] == ["20", "0.425", "nan -> 0.500", "nan", "27.0", "0.250", "0.900 (0.125)", "1.000", "0", "fired |"]
     assert table[str(runs[1])] == ["20", "0.550", "0.000 -> 0.750", "0.500", "27.0", "1.250", "0.900 (0.125)", "0.500", "1", "quiet |"]
     rm.main(["--plot", f" {tmp_path} ", "--out", str(tmp_path / "o")])  # a folder of runs stands for the runs in it
     assert capsys.readouterr().out.split("figure")[0] == out.split("figure")[0]
@@ -1828,6 +1828,21 @@ def test_plot_draws_and_tabulates_any_runs(tmp_path, monkeypatch, capsys, matplo
         assert (tmp_path / "o2" / "plot.png").stat().st_size > 10_000
     except ImportError:
         assert "matplotlib is not installed" in out and not png.exists()
+
+
+def test_plot_takes_runs_with_a_step_and_refuses_the_rest(tmp_path, capsys):
+    """A folder of runs stands for the runs below it that have logged a step (a demo's, one level deeper, included;
+    one that has just started, left out); an empty --plot, or a log that is not a run's, is refused in one line."""
+    for run, text in [("demos/demo-s0/a", '{"step": 0, "success": 0.5}\n'), ("started", '{"step": 0, "succ'),
+                      ("other", '{"foo": 1}\n'), ("b", '{"step": 0, "success": 0.25}\n')]:
+        (tmp_path / run).mkdir(parents=True)
+        (tmp_path / run / "log.jsonl").write_text(text)
+    assert runfiles.plotted(rm.parse_args(["--plot", f"{tmp_path}/demos,{tmp_path}/b"])) == [f"{tmp_path}/demos/demo-s0/a", f"{tmp_path}/b"]
+    for arg, message in [("", "--plot needs a run folder"), (" , ", "--plot needs a run folder"), (str(tmp_path / "started"), "no run there"),
+                         (str(tmp_path / "other"), "is not a run's log"), (str(tmp_path), "is not a run's log")]:  # the last: other/ is below it
+        with pytest.raises(SystemExit):
+            rm.parse_args(["--plot", arg])
+        assert message in capsys.readouterr().err, arg
 
 
 def test_bench_code_path_prints_its_figures(tmp_path):
