@@ -67,9 +67,10 @@ def flag_problem(cfg):
             return f"--model {cfg.model}: {e.strerror}"
         if not any(f == "config.json" or f.endswith(".gguf") for f in files):
             return f"--model {cfg.model}: the folder holds no model (no config.json, no .gguf file)"
-    if "plot" in getattr(cfg, "typed", ()) and not plotted(cfg):  # --plot "" (an empty $RUNS) must not start a run
+    runs = plotted(cfg)  # the runs to plot: each a folder whose log has a step
+    if "plot" in getattr(cfg, "typed", ()) and not runs:  # --plot "" (an empty $RUNS) must not start a run
         return "--plot needs a run folder (or a folder of runs)"
-    for run in plotted(cfg):  # the runs to plot: each a folder whose log has a step
+    for run in runs:
         rows = logged(run)
         if isinstance(rows, Exception):
             return f"--plot {run}: its log.jsonl is not a run's log ({rows.__class__.__name__}: {str(rows)[:80]})"
