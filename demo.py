@@ -63,6 +63,14 @@ def last(rows, key):
     return next((r[key] for r in reversed(rows) if key in r), float("nan"))
 
 
+def readings(rows):
+    """A run's last reading of each diagnostic and its totals over the log: the demo's table and --plot's."""
+    return dict({k: last(rows, k) for k in ("eval_success", "token_entropy", "think_len", "mi", "retrieval", "retrieval_chance",
+                                            "mi_zscore_ema")},
+                kept=sum(r["kept_frac"] for r in rows) / len(rows), skipped=sum(r.get("skipped", 0) for r in rows),
+                alarm="fired" if any(r.get("alarm") for r in rows) else "quiet")
+
+
 def sample_reasonings(model, tok, cfg, seeds):
     """One first-turn reasoning per seed at the evaluation temperature."""
     torch.manual_seed(0)
@@ -172,14 +180,13 @@ def plot_runs(cfg):
     start's evaluation from their ckpt.pt."""
     runs = {run: rows_of(run) for run in runfiles.plotted(cfg)}  # parse_args checked each has rows
     start = {run: start_eval(run) for run in runs}
-    tail = lambda rows, k, n: statistics.fmean([r[k] for r in rows if k in r][-n:] or [float("nan")])
     print("| run | steps | success (last 10 steps) | eval: start -> last | token entropy | reasoning tokens | MI estimate | "
           "retrieval (chance) | kept fraction | skipped | alarm |\n" + "|---" * 11 + "|")
     for run, rows in runs.items():  # the last reading of each diagnostic, as in the demo's table
-        print(f"| {run} | {len(rows)} | {tail(rows, 'success', 10):.3f} | {float('nan') if start[run] is None else start[run]:.3f} -> {last(rows, 'eval_success'):.3f} | "
-              f"{last(rows, 'token_entropy'):.3f} | {last(rows, 'think_len'):.1f} | {last(rows, 'mi'):.3f} | {last(rows, 'retrieval'):.3f} "
-              f"({last(rows, 'retrieval_chance'):.3f}) | {tail(rows, 'kept_frac', len(rows)):.3f} | "
-              f"{sum(r.get('skipped', 0) for r in rows)} | {'fired' if any(r.get('alarm') for r in rows) else 'quiet'} |")
+        s = readings(rows)
+        print(f"| {run} | {len(rows)} | {statistics.fmean(r['success'] for r in rows[-10:]):.3f} | {float('nan') if start[run] is None else start[run]:.3f} -> {s['eval_success']:.3f} | "
+              f"{s['token_entropy']:.3f} | {s['think_len']:.1f} | {s['mi']:.3f} | {s['retrieval']:.3f} ({s['retrieval_chance']:.3f}) | "
+              f"{s['kept']:.3f} | {s['skipped']} | {s['alarm']} |")
     os.makedirs(cfg.out, exist_ok=True)
     path = os.path.join(cfg.out, "plot.png")
     if plot(runs, path, start, eval_temperature=None):
@@ -321,10 +328,7 @@ def main(cfg):
                                 ret=first.get("retrieval", float("nan")) - first.get("retrieval_chance", float("nan")),
                                 kept="-", skipped="-", alarm="-", sec="-")}
     for label, rows in runs.items():
-        stats[label] = dict(eval_success=last(rows, "eval_success"), token_entropy=last(rows, "token_entropy"), think_len=last(rows, "think_len"), mi=last(rows, "mi"),
-                            ret=last(rows, "retrieval") - last(rows, "retrieval_chance"), mi_zscore_ema=last(rows, "mi_zscore_ema"),
-                            kept=sum(r["kept_frac"] for r in rows) / len(rows), skipped=sum(r.get("skipped", 0) for r in rows),
-                            alarm="fired" if any(r.get("alarm") for r in rows) else "quiet", sec=f"{times[label]:.0f}s")
+        stats[label] = (s := readings(rows)) | dict(ret=s["retrieval"] - s["retrieval_chance"], sec=f"{times[label]:.0f}s")
     for label, h in held.items():  # the same held-out batches for every model
         stats[label] |= dict(mi_held=h["mi"], ret_held=h["retrieval"] - h["retrieval_chance"])
     names = [("eval_success", f"eval success ({base.eval_episodes} held-out maps, T={base.eval_temperature:g})"), ("token_entropy", "reasoning token entropy"),
