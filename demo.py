@@ -65,7 +65,7 @@ def last(rows, key):
 
 def readings(rows):
     """A run's last reading of each diagnostic and its totals over the log: the demo's table and --plot's."""
-    return dict({k: last(rows, k) for k in ("eval_success", "token_entropy", "think_len", "mi", "retrieval", "retrieval_chance",
+    return dict({k: last(rows, k) for k in ("eval_success", "token_entropy", "think_len", "seq_rep4", "mi", "retrieval", "retrieval_chance",
                                             "mi_zscore_ema")},
                 kept=sum(r["kept_frac"] for r in rows) / len(rows), skipped=sum(r.get("skipped", 0) for r in rows),
                 alarm="fired" if any(r.get("alarm") for r in rows) else "quiet")
@@ -180,12 +180,12 @@ def plot_runs(cfg):
     start's evaluation from their ckpt.pt."""
     runs = {run: rows_of(run) for run in runfiles.plotted(cfg)}  # parse_args checked each has rows
     start = {run: start_eval(run) for run in runs}
-    print("| run | steps | success (last 10 steps) | eval: start -> last | token entropy | reasoning tokens | MI estimate | "
-          "retrieval (chance) | kept fraction | skipped | alarm |\n" + "|---" * 11 + "|")
+    print("| run | steps | success (last 10 steps) | eval: start -> last | token entropy | reasoning tokens | repetition | "
+          "MI estimate | retrieval (chance) | kept fraction | skipped | alarm |\n" + "|---" * 12 + "|")
     for run, rows in runs.items():  # the last reading of each diagnostic, as in the demo's table
         s = readings(rows)
         print(f"| {run} | {len(rows)} | {statistics.fmean(r['success'] for r in rows[-10:]):.3f} | {float('nan') if start[run] is None else start[run]:.3f} -> {s['eval_success']:.3f} | "
-              f"{s['token_entropy']:.3f} | {s['think_len']:.1f} | {s['mi']:.3f} | {s['retrieval']:.3f} ({s['retrieval_chance']:.3f}) | "
+              f"{s['token_entropy']:.3f} | {s['think_len']:.1f} | {s['seq_rep4']:.3f} | {s['mi']:.3f} | {s['retrieval']:.3f} ({s['retrieval_chance']:.3f}) | "
               f"{s['kept']:.3f} | {s['skipped']} | {s['alarm']} |")
     os.makedirs(cfg.out, exist_ok=True)
     path = os.path.join(cfg.out, "plot.png")
@@ -324,7 +324,7 @@ def main(cfg):
     table = ["| | warm start | " + " | ".join(runs) + " |", "|---" * (len(runs) + 2) + "|"]
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
     stats = {"warm start": dict(eval_success=eval_start,
-                                **{k: first.get(k, float("nan")) for k in ("token_entropy", "think_len", "mi", "mi_zscore_ema")},
+                                **{k: first.get(k, float("nan")) for k in ("token_entropy", "think_len", "seq_rep4", "mi", "mi_zscore_ema")},
                                 ret=first.get("retrieval", float("nan")) - first.get("retrieval_chance", float("nan")),
                                 kept="-", skipped="-", alarm="-", sec="-")}
     for label, rows in runs.items():
@@ -332,7 +332,8 @@ def main(cfg):
     for label, h in held.items():  # the same held-out batches for every model
         stats[label] |= dict(mi_held=h["mi"], ret_held=h["retrieval"] - h["retrieval_chance"])
     names = [("eval_success", f"eval success ({base.eval_episodes} held-out maps, T={base.eval_temperature:g})"), ("token_entropy", "reasoning token entropy"),
-             ("think_len", "reasoning length (tokens, first turn)"), ("mi", "MI estimate (nats)"), ("ret", "retrieval accuracy above chance"),
+             ("think_len", "reasoning length (tokens, first turn)"), ("seq_rep4", "repetition inside a reasoning (seq-rep-4)"),
+             ("mi", "MI estimate (nats)"), ("ret", "retrieval accuracy above chance"),
              ("mi_held", f"MI estimate, held-out batches (mean of {HELDOUT_BATCHES} x {HELDOUT_MAPS} maps x {base.group_size})"),
              ("ret_held", "retrieval above chance, held-out batches"),
              ("mi_zscore_ema", "MI z-score (EMA)"),

@@ -33,6 +33,15 @@ def token_entropy(logits, mask):
     return _entropy_from_logp(F.log_softmax(rows, dim=-1)).mean()
 
 
+def seq_rep(seqs, n=4):
+    """Repetition within a sequence, seq-rep-n (Welleck et al., 2019, "Neural text generation with unlikelihood
+    training"): 1 - |distinct n-grams| / |n-grams| of each token list, averaged over the lists. 0: no n-gram occurs
+    twice in one list; -> 1: a list that repeats one token or one short pattern ("! ! ! ! ..."). A list of fewer
+    than n + 1 tokens cannot repeat an n-gram and counts 0; no lists at all give 0.0."""
+    reps = [1 - len(set(g)) / len(g) for s in seqs if len(g := [tuple(s[i:i + n]) for i in range(len(s) - n + 1)]) > 0]
+    return sum(reps) / len(seqs) if seqs else 0.0
+
+
 def _model_device(model):
     for t in list(model.parameters())[:1] + list(model.buffers())[:1]:
         return t.device

@@ -454,6 +454,7 @@ def diagnostics(model, tok, eps, G, ema):
     length = {"think_len": sum(map(len, reasons)) / len(reasons)}  # mean tokens of a first-turn reasoning
     if not any(reasons):
         return length
+    length["seq_rep4"] = metrics.seq_rep(reasons, 4)  # repeated 4-grams within a reasoning: -> 1 in an echo trap
     col = torch.arange(len(eps)) // G  # c(i): the column of each reasoning's own prompt
     cs = metrics.cross_score(model, prompts, reasons, tok.pad_token_id, matched=col.tolist())
     keys = [tuple(p) for p in prompts]  # identical prompts (same seed twice) are the same column

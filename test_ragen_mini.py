@@ -30,7 +30,7 @@ import ragen_mini as rm
 import runfiles
 from tiny import expert_episode as warm_start_episode
 from envs import FORMAT_PENALTY, ENVS, make_env, parse_reply, step_reply
-from metrics import ZScoreEMA, cross_score, grad_norms, mi_metrics, sign_test, token_entropy, variance_buckets
+from metrics import ZScoreEMA, cross_score, grad_norms, mi_metrics, seq_rep, sign_test, token_entropy, variance_buckets
 
 
 # ============================================================================ environments
@@ -1232,6 +1232,22 @@ def test_diagnostics_log_the_reasoning_length_even_when_it_is_skipped(tiny):
     eps = [dict(first_prompt=tok("Turn 1: map " + str(i // 2)).input_ids, first_think=t) for i, t in enumerate(texts)]
     d = rm.diagnostics(model, tok, eps, 2, ZScoreEMA())
     assert d["think_len"] == sum(len(tok(t, add_special_tokens=False).input_ids) for t in texts) / 4 > 2 and "mi" in d
+    assert d["seq_rep4"] == 0.0  # no 4-gram twice in one of them
+    texts[2] = "! ! ! ! ! ! ! ! ! ! ! !"  # a reasoning collapsed into repeated punctuation (an echo trap)
+    eps[2]["first_think"] = texts[2]
+    reasons = [tok(t, add_special_tokens=False).input_ids for t in texts]
+    d = rm.diagnostics(model, tok, eps, 2, ZScoreEMA())
+    assert d["seq_rep4"] == seq_rep(reasons, 4) and 0.1 < d["seq_rep4"] < 0.25  # one list in four, mostly repeats
+
+
+def test_seq_rep_closed_forms():
+    """seq-rep-n = mean over lists of 1 - distinct n-grams / n-grams; a list too short for two n-grams counts 0."""
+    assert seq_rep([], 4) == 0.0 and seq_rep([[1, 2, 3]], 4) == 0.0 and seq_rep([[1, 2, 3, 4]], 4) == 0.0
+    assert seq_rep([[1, 2, 3, 4, 5, 6]], 4) == 0.0  # 3 distinct 4-grams
+    assert seq_rep([[7] * 10], 4) == pytest.approx(1 - 1 / 7)  # 7 copies of one 4-gram
+    assert seq_rep([[1, 2] * 6], 4) == pytest.approx(1 - 2 / 9)  # 9 4-grams, 2 distinct
+    assert seq_rep([[1, 2, 1, 2, 1]], 2) == pytest.approx(1 - 2 / 4)  # n = 2: (1,2) (2,1) (1,2) (2,1)
+    assert seq_rep([[7] * 10, [1, 2], []], 4) == pytest.approx((1 - 1 / 7) / 3)  # short lists count 0
 
 
 def test_diagnostics_need_two_distinct_prompts_for_the_mi_proxies(tiny):
@@ -1242,7 +1258,7 @@ def test_diagnostics_need_two_distinct_prompts_for_the_mi_proxies(tiny):
     for seeds in ([5], [5, 5]):
         eps = rm.rollout(model, tok, cfg, seeds, 2, 1.0)
         d = rm.diagnostics(model, tok, eps, 2, ZScoreEMA())
-        assert list(d) == ["token_entropy", "think_len"] and d["token_entropy"] > 0, seeds
+        assert list(d) == ["token_entropy", "think_len", "seq_rep4"] and d["token_entropy"] > 0, seeds
     eps = rm.rollout(model, tok, cfg, [5, 6], 2, 1.0)
     d = rm.diagnostics(model, tok, eps, 2, ZScoreEMA())
     reasons = [tok(e["first_think"] or "", add_special_tokens=False).input_ids for e in eps]
@@ -1541,8 +1557,12 @@ def test_cli_end_to_end_and_resume(tmp_path):
     (run,) = [d for d in os.listdir(tmp_path) if d.startswith("frozenlake-snr")]
     rows = [json.loads(l) for l in open(tmp_path / run / "log.jsonl")]
     assert [r["step"] for r in rows] == [0, 1]
-    for key in ["success", "reward", "kept_frac", "rv_before", "rv_after", "token_entropy", "think_len", "mi", "retrieval", "sec"]:
+    for key in ["success", "reward", "kept_frac", "rv_before", "rv_after", "token_entropy", "think_len", "seq_rep4", "mi", "retrieval", "sec"]:
         assert key in rows[0], key
+    glossary = open(os.path.join(HERE, "README.md")).read().split("\n## Metrics\n")[1].split("\n## ")[0]
+    for key in set().union(*rows):  # every logged key has its row in the README's glossary
+        doc = "gn_{task,entropy,kl}_b{0,1,2}" if key.startswith("gn_") else "rv_b*" if re.fullmatch(r"rv_b\d", key) else key
+        assert f"| `{doc}`" in glossary or f", `{doc}`" in glossary, key
     assert any(r["rv_before"] > 0 and r["kept_frac"] > 0 and "skipped" not in r for r in rows)  # an update ran
     assert all(("gn_task_b0" in r) == (r["rv_before"] > 0) for r in rows)  # gradient buckets on the steps with reward spread
     assert json.load(open(tmp_path / run / "config.json"))["filter"] == "snr"
@@ -1779,7 +1799,7 @@ def test_demo_code_path_runs_shortened(tmp_path, monkeypatch, capsys, threads):
     assert differ("a_no_filter", "b_snr_filter") == {"filter", "name", "gradnorm_every"} and cfgs["b_snr_filter"]["filter"] == "snr"
     assert differ("a_no_filter", "c_control") == {"name", "gradnorm_every", "reg_scale_from"}
     table = (out / "table.md").read_text()
-    for needle in ["| eval success", "| reasoning length", "| MI estimate", "| MI estimate, held-out batch", "| collapse alarm", "gradient norms by reward-variance bucket",
+    for needle in ["| eval success", "| reasoning length", "| repetition inside a reasoning", "| MI estimate", "| MI estimate, held-out batch", "| collapse alarm", "gradient norms by reward-variance bucket",
                    "--- map 1000000 ---", "answer follows a teacher-forced reasoning"]:
         assert needle in table, needle
     duels = re.findall(r"  (.+?) solves (\d+) maps that (.+?) fails and fails (\d+) that it solves: sign test p = ", table)
@@ -1800,7 +1820,7 @@ def test_plot_draws_and_tabulates_any_runs(tmp_path, monkeypatch, capsys, matplo
     for k, run in enumerate(runs):
         run.mkdir()
         rows = [dict(step=s, success=(s % 4) / 4 + k / 8, kept_frac=1.0 - 0.5 * k, **({"mi": 1.0 - s / 20 + k, "token_entropy": 0.5, "think_len": 12.0 + s,
-                     "retrieval": 0.9, "retrieval_chance": 0.125} if s % 5 == 0 else {})) for s in range(20)]
+                     "seq_rep4": s / 100, "retrieval": 0.9, "retrieval_chance": 0.125} if s % 5 == 0 else {})) for s in range(20)]
         rows[9]["eval_success"], rows[19]["eval_success"] = 0.25, 0.5 + k / 4
         if k == 0:
             rows[15] |= {"alarm": 1, "token_entropy": math.nan, "loss": math.nan}  # written as null, read back as NaN
@@ -1815,9 +1835,9 @@ def test_plot_draws_and_tabulates_any_runs(tmp_path, monkeypatch, capsys, matplo
     rm.main(["--plot", ",".join(map(str, runs)), "--out", str(tmp_path / "o")])
     out = capsys.readouterr().out
     table = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in out.splitlines() if line.startswith(f"| {tmp_path}")}
-    # steps, success over the last 10 steps, eval at the start (none without a checkpoint) -> last, entropy, length, MI (the last reading, step 15), retrieval, kept, skipped, alarm
-    assert table[str(runs[0])] == ["20", "0.425", "nan -> 0.500", "nan", "27.0", "0.250", "0.900 (0.125)", "1.000", "0", "fired |"]
-    assert table[str(runs[1])] == ["20", "0.550", "0.000 -> 0.750", "0.500", "27.0", "1.250", "0.900 (0.125)", "0.500", "1", "quiet |"]
+    # steps, success over the last 10 steps, eval at the start (none without a checkpoint) -> last, entropy, length, repetition, MI (the last reading, step 15), retrieval, kept, skipped, alarm
+    assert table[str(runs[0])] == ["20", "0.425", "nan -> 0.500", "nan", "27.0", "0.150", "0.250", "0.900 (0.125)", "1.000", "0", "fired |"]
+    assert table[str(runs[1])] == ["20", "0.550", "0.000 -> 0.750", "0.500", "27.0", "0.150", "1.250", "0.900 (0.125)", "0.500", "1", "quiet |"]
     rm.main(["--plot", f" {tmp_path} ", "--out", str(tmp_path / "o")])  # a folder of runs stands for the runs in it
     assert capsys.readouterr().out.split("figure")[0] == out.split("figure")[0]
     png = tmp_path / "o" / "plot.png"
