@@ -38,8 +38,11 @@ def seq_rep(seqs, n=4):
     training"): 1 - |distinct n-grams| / |n-grams| of each token list, averaged over the lists. 0: no n-gram occurs
     twice in one list; -> 1: a list that repeats one token or one short pattern ("! ! ! ! ..."). A list of fewer
     than n + 1 tokens cannot repeat an n-gram and counts 0; no lists at all give 0.0."""
-    reps = [1 - len(set(g)) / len(g) for s in seqs if len(g := [tuple(s[i:i + n]) for i in range(len(s) - n + 1)]) > 0]
-    return sum(reps) / len(seqs) if seqs else 0.0
+    reps = []
+    for s in seqs:
+        grams = [tuple(s[i:i + n]) for i in range(len(s) - n + 1)]  # the len(s) - n + 1 n-grams of s, in order
+        reps.append(1 - len(set(grams)) / len(grams) if grams else 0.0)
+    return sum(reps) / len(reps) if reps else 0.0
 
 
 def _model_device(model):
