@@ -63,10 +63,12 @@ def last(rows, key):
     return next((r[key] for r in reversed(rows) if key in r), float("nan"))
 
 
+DIAGNOSTICS = ("token_entropy", "think_len", "seq_rep4", "mi", "retrieval", "retrieval_chance", "mi_zscore_ema")  # in both tables
+
+
 def readings(rows):
     """A run's last reading of each diagnostic and its totals over the log: the demo's table and --plot's."""
-    return dict({k: last(rows, k) for k in ("eval_success", "token_entropy", "think_len", "seq_rep4", "mi", "retrieval", "retrieval_chance",
-                                            "mi_zscore_ema")},
+    return dict({k: last(rows, k) for k in ("eval_success",) + DIAGNOSTICS},
                 kept=sum(r["kept_frac"] for r in rows) / len(rows), skipped=sum(r.get("skipped", 0) for r in rows),
                 alarm="fired" if any(r.get("alarm") for r in rows) else "quiet")
 
@@ -134,9 +136,9 @@ def bucket_norms(rows):
     return mean, se, paired, len(rows)
 
 
-def plot(runs, path, eval_start=None, eval_temperature=0.5):
-    """The runs' curves ({label: log rows}) in one PNG at path; eval_start: the start model's evaluation, one for all
-    runs or {label: value}. -> False (and a message) without matplotlib."""
+def plot(runs, path, eval_start, eval_temperature=0.5):
+    """The runs' curves ({label: log rows}) in one PNG at path; eval_start: {label: the start model's evaluation or
+    None}. -> False (and a message) without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -151,8 +153,7 @@ def plot(runs, path, eval_start=None, eval_temperature=0.5):
         for label, rows in runs.items():
             # x = updates done: a step's diagnostics come before its update, its evaluation after it
             pts = [(r["step"] + (k == "eval_success"), r[k]) for r in rows if k in r]
-            e0 = eval_start.get(label) if isinstance(eval_start, dict) else eval_start  # the start model's
-            pts = ([(0, e0)] if k == "eval_success" and e0 is not None else []) + pts
+            pts = ([(0, eval_start[label])] if k == "eval_success" and eval_start[label] is not None else []) + pts
             ax.plot(*zip(*pts), label=label, marker="." if k == "eval_success" else None)
         if k == "retrieval" and math.isfinite(chance := last(runs[next(iter(runs))], "retrieval_chance")):  # nan: no MI
             ax.axhline(chance, color="grey", ls=":", label="chance")
@@ -323,14 +324,13 @@ def main(cfg):
     first = next((r for r in runs["(a) no filter"] if "mi" in r), {})  # the first diagnostics, at step 0 unless it had none
     table = ["| | warm start | " + " | ".join(runs) + " |", "|---" * (len(runs) + 2) + "|"]
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
-    stats = {"warm start": dict(eval_success=eval_start,
-                                **{k: first.get(k, float("nan")) for k in ("token_entropy", "think_len", "seq_rep4", "mi", "mi_zscore_ema")},
-                                ret=first.get("retrieval", float("nan")) - first.get("retrieval_chance", float("nan")),
+    stats = {"warm start": dict(eval_success=eval_start, **{k: first.get(k, float("nan")) for k in DIAGNOSTICS},
                                 kept="-", skipped="-", alarm="-", sec="-")}
     for label, rows in runs.items():
-        stats[label] = (s := readings(rows)) | dict(ret=s["retrieval"] - s["retrieval_chance"], sec=f"{times[label]:.0f}s")
-    for label, h in held.items():  # the same held-out batches for every model
-        stats[label] |= dict(mi_held=h["mi"], ret_held=h["retrieval"] - h["retrieval_chance"])
+        stats[label] = readings(rows) | dict(sec=f"{times[label]:.0f}s")
+    for label, s in stats.items():
+        h = held[label]  # the same held-out batches for every model
+        s |= dict(ret=s["retrieval"] - s["retrieval_chance"], mi_held=h["mi"], ret_held=h["retrieval"] - h["retrieval_chance"])
     names = [("eval_success", f"eval success ({base.eval_episodes} held-out maps, T={base.eval_temperature:g})"), ("token_entropy", "reasoning token entropy"),
              ("think_len", "reasoning length (tokens, first turn)"), ("seq_rep4", "repetition inside a reasoning (seq-rep-4)"),
              ("mi", "MI estimate (nats)"), ("ret", "retrieval accuracy above chance"),
@@ -368,6 +368,6 @@ def main(cfg):
     report = "\n".join(table + lines) + "\n\n" + "\n".join(text)
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(report + "\n")
-    png = plot(runs, os.path.join(out, "demo.png"), eval_start, base.eval_temperature)
+    png = plot(runs, os.path.join(out, "demo.png"), dict.fromkeys(runs, eval_start), base.eval_temperature)
     print("\n" + report)
     print(f"\ndemo finished in {time.time() - t0:.0f}s; written to {out}/" + (" (table.md, demo.png)" if png else " (table.md)"))
