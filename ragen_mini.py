@@ -451,17 +451,17 @@ def diagnostics(model, tok, eps, G, ema):
     episode wrote any reasoning: a model that skips it."""
     prompts = [eps[g * G]["first_prompt"] for g in range(len(eps) // G)]
     reasons = [tok(e["first_think"] or "", add_special_tokens=False).input_ids for e in eps]
-    length = {"think_len": sum(map(len, reasons)) / len(reasons)}  # mean tokens of a first-turn reasoning
+    form = {"think_len": sum(map(len, reasons)) / len(reasons)}  # mean tokens of a first-turn reasoning
     if not any(reasons):
-        return length
-    length["seq_rep4"] = metrics.seq_rep(reasons, 4)  # repeated 4-grams within a reasoning: -> 1 in an echo trap
+        return form
+    form["seq_rep4"] = metrics.seq_rep(reasons, 4)  # repeated 4-grams within a reasoning: -> 1 in an echo trap
     col = torch.arange(len(eps)) // G  # c(i): the column of each reasoning's own prompt
     cs = metrics.cross_score(model, prompts, reasons, tok.pad_token_id, matched=col.tolist())
     keys = [tuple(p) for p in prompts]  # identical prompts (same seed twice) are the same column
     if len(set(keys)) < 2:  # one distinct prompt (--groups 1, or an env whose start never varies): no MI to estimate
-        return {"token_entropy": cs["entropy"]} | length
+        return {"token_entropy": cs["entropy"]} | form
     mi, mi_sum = metrics.mi_metrics(cs["L_mean"], col, keys), metrics.mi_metrics(cs["L_sum"], col, keys)
-    return {"token_entropy": cs["entropy"]} | length | {"mi": mi["mi"], "mi_seq": mi_sum["mi"], "retrieval": mi["retrieval_acc"],
+    return {"token_entropy": cs["entropy"]} | form | {"mi": mi["mi"], "mi_seq": mi_sum["mi"], "retrieval": mi["retrieval_acc"],
             "retrieval_chance": mi["retrieval_chance"], "h_cond": mi["h_cond"], "h_marg": mi["h_marg"],
             "mi_zscore": mi["mi_zscore"], "mi_zscore_ema": ema.update(mi["matched"], mi["marginal"])}
 
