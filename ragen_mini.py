@@ -218,17 +218,9 @@ def load_policy(cfg, device, quiet=False):
     if not cfg.max_new_tokens and not quiet:  # (quiet: the demo's workers; the demo itself has said it once)
         print(f"note: a turn gets the env's {make_env(cfg).reply_tokens} tokens (--max-new-tokens 0), sized for the tiny "
               "model's replies: a model that reasons at length is cut there (--max-new-tokens 128 gives it room)")
-    try:
-        Chat(tok, "")  # it needs a chat template that closes assistant turns with EOS
-    except ValueError as e:
-        sys.exit(f"error: {cfg.model}: {str(e).splitlines()[0]}")
-    probe = torch.tensor([tok("<think> check").input_ids], device=device)  # agent_logits() applies the LM head itself
-    with torch.no_grad():  # rtol: in bf16 a logit near 30 moves in steps of 0.125; a softcap at 30 moves it by 7
-        if not torch.allclose(model(input_ids=probe).logits[0].float(), agent_logits(model, probe, probe >= 0).float(), rtol=1e-2, atol=1e-2):
-            sys.exit(f"error: {cfg.model}: its forward changes the logits after the LM head (e.g. softcapping): not supported")
-    c = model.config.to_dict()  # a window counts cache slots, and the rollout's cache holds padding: a row sees too little
-    if c.get("sliding_window") and c.get("use_sliding_window", True) or set(c.get("layer_types") or []) - {"full_attention"}:
-        sys.exit(f"error: {cfg.model}: sliding-window attention is not supported (the rollout's KV cache holds padding)")
+    problem = runfiles.model_problem(model, tok, Chat, agent_logits)  # a chat template, logits, attention it cannot run
+    if problem:
+        sys.exit(f"error: {cfg.model}: {problem}")
     return model, tok
 
 

@@ -1,6 +1,6 @@
 """Run folders: where a run's settings, log and checkpoints live, so that rerunning a command resumes it; what a
 run leaves at its end (the exported policy, the summary); the checks of its settings that the command line
-makes before any work starts; and how the command line ends on ^C or an error (one line, never a traceback).
+makes before any work starts, and those of a loaded model; and how the command line ends on ^C or an error (one line, never a traceback).
 
 Plumbing for the loop in ragen_mini.py, kept apart so that file reads as the algorithm. A run is the folder
 OUT/<name>/ holding config.json (its settings), log.jsonl (one JSON row per step), ckpt.pt (weights, optimizer,
@@ -85,6 +85,22 @@ def flag_problem(cfg):
         return f"--device {cfg.device} is not available on this machine (try --device auto)"
     return None
 
+
+def model_problem(model, tok, chat, agent_logits):
+    """What stops a loaded model (not the tiny one) from running through ragen_mini's code, as one message; None
+    when nothing does. chat and agent_logits are ragen_mini's Chat and agent_logits, which the rollout and loss use."""
+    try:
+        chat(tok, "")  # it needs a chat template that closes assistant turns with EOS
+    except ValueError as e:
+        return str(e).splitlines()[0]
+    probe = torch.tensor([tok("<think> check").input_ids], device=model.device)  # agent_logits() applies the LM head itself
+    with torch.no_grad():  # rtol: in bf16 a logit near 30 moves in steps of 0.125; a softcap at 30 moves it by 7
+        if not torch.allclose(model(input_ids=probe).logits[0].float(), agent_logits(model, probe, probe >= 0).float(), rtol=1e-2, atol=1e-2):
+            return "its forward changes the logits after the LM head (e.g. softcapping): not supported"
+    c = model.config.to_dict()  # a window counts cache slots, and the rollout's cache holds padding: a row sees too little
+    if c.get("sliding_window") and c.get("use_sliding_window", True) or set(c.get("layer_types") or []) - {"full_attention"}:
+        return "sliding-window attention is not supported (the rollout's KV cache holds padding)"
+    return None
 
 def plotted(cfg):
     """The run folders --plot names (comma-separated, ~ allowed); a folder without a log of its own stands for the runs
