@@ -1,6 +1,7 @@
 """Run folders: where a run's settings, log and checkpoints live, so that rerunning a command resumes it; what a
 run leaves at its end (the exported policy, the summary); the checks of its settings that the command line
-makes before any work starts, and those of a loaded model; and how the command line ends on ^C or an error (one line, never a traceback).
+makes before any work starts, and those of a loaded model; and how the command line ends on ^C or an error (one
+line, never a traceback).
 
 Plumbing for the loop in ragen_mini.py, kept apart so that file reads as the algorithm. A run is the folder
 OUT/<name>/ holding config.json (its settings), log.jsonl (one JSON row per step), ckpt.pt (weights, optimizer,
