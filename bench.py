@@ -158,7 +158,7 @@ def main(cfg, iters=4):
         seqs = [(e["ids"], e["mask"], e["logp"]) for e in eps]
         clock.on = False
         t1 = time.perf_counter()
-        rm.diagnostics(model, tok, eps, G, ema)
+        rm.diagnostics(model, tok, eps, G, ema, cfg.temperature)
         t_diag = (time.perf_counter() - t1) / cfg.diag_every  # amortised over the diagnostics period
         model.train()
         adv = rm.advantages(R, cfg.adv).flatten().to(device)

@@ -92,7 +92,7 @@ def heldout_mi(model, tok, cfg):
     for k in range(HELDOUT_BATCHES):
         torch.manual_seed(k)
         eps = rm.rollout(model, tok, cfg, [10**6 + k * HELDOUT_MAPS + i for i in range(HELDOUT_MAPS)], cfg.group_size, cfg.temperature)
-        out.append(rm.diagnostics(model, tok, eps, cfg.group_size, rm.metrics.ZScoreEMA()))
+        out.append(rm.diagnostics(model, tok, eps, cfg.group_size, rm.metrics.ZScoreEMA(), cfg.temperature))
     out = [d for d in out if "mi" in d]  # a batch with no reasoning (or one distinct prompt) has no MI proxies
     return {key: sum(d[key] for d in out) / len(out) if out else float("nan") for key in ("mi", "retrieval", "retrieval_chance")}
 
@@ -124,7 +124,7 @@ def bucket_norms(rows):
     norms grow several-fold over a run and the means mix that in: g_b = geometric mean over steps of
     norm_b / (mean over buckets of norm), then max g / min g (None without a step where every bucket's norm > 0).
     -> ({name: [mean per bucket]}, {name: [s.e. per bucket]}, {name: paired ratio}, number of steps)"""
-    rows = [r for r in rows if "gn_task_b0" in r and r["rv_b2"] > 0]
+    rows = [r for r in rows if "gn_task_b0" in r and r.get("rv_b2", 0) > 0]  # (no rv_b2: under 3 groups, no top bucket)
     mean, se, paired = {}, {}, {}
     for name in ["task", "entropy", "kl"]:
         cols = [[r[f"gn_{name}_b{b}"] for r in rows] for b in range(3)]  # [bucket][step]

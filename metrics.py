@@ -60,9 +60,9 @@ def _pad(seqs, pad_id):
     return ids, att
 
 
-def _span_logp(logits, spans, ent):
-    """spans[b] = (start, z, own): logits[b, start + k] predicts token z[k]. Returns sum_k log p(z[k]) per row b
-    ([B] float32, CPU); for rows with own set, adds their next-token entropies to ent = [sum, count].
+def _span_logp(logits, spans, ent, temperature=1.0):
+    """spans[b] = (start, z, own): logits[b, start + k] / temperature predicts token z[k]. Returns sum_k log p(z[k])
+    per row b ([B] float32, CPU); for rows with own set, adds their next-token entropies to ent = [sum, count].
     Only the rows that predict a token go through the float32 log_softmax, _ROWS at a time."""
     dev = logits.device
     b_idx = torch.tensor([b for b, (_, z, _) in enumerate(spans) for _ in z], device=dev)
@@ -72,7 +72,7 @@ def _span_logp(logits, spans, ent):
     pair_sum = torch.zeros(len(spans), device=dev)
     for s in range(0, len(tgt), _ROWS):
         sl = slice(s, s + _ROWS)
-        logp = F.log_softmax(logits[b_idx[sl], pos[sl]].float(), dim=-1)  # [K, V]
+        logp = F.log_softmax(logits[b_idx[sl], pos[sl]].float() / temperature, dim=-1)  # [K, V]
         pair_sum.index_add_(0, b_idx[sl], logp.gather(1, tgt[sl, None]).squeeze(1))
         if own_m[sl].any():
             ent[0] += _entropy_from_logp(logp[own_m[sl]]).sum().double().cpu()
@@ -80,10 +80,10 @@ def _span_logp(logits, spans, ent):
     return pair_sum.cpu()
 
 
-def cross_score(model, prompts, reasons, pad_id, matched=None, batch_size=256):
-    """Teacher-force every reasoning under every prompt.
+def cross_score(model, prompts, reasons, pad_id, matched=None, batch_size=256, temperature=1.0):
+    """Teacher-force every reasoning under every prompt, scored by the policy as it samples (logits / temperature).
 
-    L_sum[i, j]  = sum_k log p(z_i,k | x_j, z_i,<k)      (float32 log-softmax of the model's logits)
+    L_sum[i, j]  = sum_k log p(z_i,k | x_j, z_i,<k)      (float32 log-softmax of the model's logits / temperature)
     L_mean[i, j] = L_sum[i, j] / |z_i|
     entropy      = mean over the reasoning tokens of the matched pairs (i, matched[i]) of the full-softmax
                    next-token entropy (token-weighted, as token_entropy); None if matched is None or those
@@ -135,7 +135,7 @@ def cross_score(model, prompts, reasons, pad_id, matched=None, batch_size=256):
                                    attention_mask=torch.cat([Pm[js], att.to(dev)], 1),
                                    position_ids=lp[js, None] + torch.arange(ids.shape[1], device=dev)).logits
                     logits = torch.cat([pre.logits[js, -1:], logits], 1)  # k predicts z_k
-                    L_sum[r, js] = _span_logp(logits, [(0, reasons[i], own(i, j)) for i, j in chunk], ent)
+                    L_sum[r, js] = _span_logp(logits, [(0, reasons[i], own(i, j)) for i, j in chunk], ent, temperature)
             else:
                 pairs = sorted(((i, j) for i in rows for j in range(M)),
                                key=lambda ij: (len(prompts[ij[1]]), len(reasons[ij[0]])))
@@ -149,7 +149,7 @@ def cross_score(model, prompts, reasons, pad_id, matched=None, batch_size=256):
                     # position |x_j| + k - 1 predicts reasoning token k
                     spans = [(len(prompts[j]) - 1 - off, reasons[i], own(i, j)) for i, j in chunk]
                     r, cl = zip(*chunk)
-                    L_sum[list(r), list(cl)] = _span_logp(logits, spans, ent)
+                    L_sum[list(r), list(cl)] = _span_logp(logits, spans, ent, temperature)
     finally:
         model.train(was_training)
     lens = torch.tensor([max(len(z), 1) for z in reasons], dtype=torch.float32)
@@ -197,7 +197,8 @@ class ZScoreEMA:
     """MI z-score with an EMA of the batch std of marginal across readings (the loop reads every --diag-every steps).
 
     s_1 = std(marginal_1); s_t = decay * s_{t-1} + (1 - decay) * std(marginal_t)   (population std)
-    update() returns mean((matched - marginal) / (s_t + eps)). An empty batch returns NaN, state unchanged.
+    update() returns mean((matched - marginal) / (s_t + eps)). An empty batch, or one with a non-finite entry,
+    returns NaN and leaves the state unchanged (one bad reading would otherwise make every later one NaN).
     """
 
     def __init__(self, decay=0.9, eps=1e-3):
@@ -205,7 +206,7 @@ class ZScoreEMA:
 
     def update(self, matched, marginal):
         matched, marginal = torch.as_tensor(matched).double(), torch.as_tensor(marginal).double()
-        if marginal.numel() == 0:
+        if marginal.numel() == 0 or not (torch.isfinite(matched).all() and torch.isfinite(marginal).all()):
             return float("nan")
         new = float(marginal.std(correction=0))
         self.std = new if self.std is None else self.decay * self.std + (1 - self.decay) * new

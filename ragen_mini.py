@@ -437,10 +437,11 @@ def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
 
 # ----------------------------------------------------------------------------- diagnostics
 @amp
-def diagnostics(model, tok, eps, G, ema):
+def diagnostics(model, tok, eps, G, ema, temperature=1.0):
     """Entropy and MI proxies on the unfiltered batch (README "Metrics"): cross-score every first-turn
-    reasoning z_i under every group's first prompt x_j, L[i, j] = log p(z_i | x_j). Only think_len (0) when no
-    episode wrote any reasoning: a model that skips it."""
+    reasoning z_i under every group's first prompt x_j, L[i, j] = log p(z_i | x_j), p the policy at the sampling
+    temperature (as the loss scores tokens). Only think_len (0) when no episode wrote any reasoning: a model that
+    skips it."""
     prompts = [eps[g * G]["first_prompt"] for g in range(len(eps) // G)]
     reasons = [tok(e["first_think"] or "", add_special_tokens=False).input_ids for e in eps]
     form = {"think_len": sum(map(len, reasons)) / len(reasons)}  # mean tokens of a first-turn reasoning
@@ -448,7 +449,7 @@ def diagnostics(model, tok, eps, G, ema):
         return form
     form["seq_rep4"] = metrics.seq_rep(reasons, 4)  # repeated 4-grams within a reasoning: -> 1 in an echo trap
     col = torch.arange(len(eps)) // G  # c(i): the column of each reasoning's own prompt
-    cs = metrics.cross_score(model, prompts, reasons, tok.pad_token_id, matched=col.tolist())
+    cs = metrics.cross_score(model, prompts, reasons, tok.pad_token_id, matched=col.tolist(), temperature=temperature)
     keys = [tuple(p) for p in prompts]  # identical prompts (same seed twice) are the same column
     if len(set(keys)) < 2:  # one distinct prompt (--groups 1, or an env whose start never varies): no MI to estimate
         return {"token_entropy": cs["entropy"]} | form
@@ -531,8 +532,8 @@ def train_locked(cfg, out, quiet):
         # 3. diagnostics on the unfiltered batch, so filtered and unfiltered runs are measured alike
         seqs = [(e["ids"], e["mask"], e["logp"]) for e in eps]
         if step % cfg.diag_every == 0 or step == cfg.steps - 1:
-            log |= diagnostics(model, tok, eps, G, ema)  # think_len alone if no episode wrote a first-turn reasoning
-        if "mi" in log:
+            log |= diagnostics(model, tok, eps, G, ema, cfg.temperature)  # think_len alone if no episode wrote a first-turn reasoning
+        if math.isfinite(log.get("mi", math.nan)):  # (a non-finite reading neither starts nor fires the alarm)
             state["mi0"] = state["mi0"] if state["mi0"] is not None else log["mi"]
             state["ent0"] = state["ent0"] if state["ent0"] is not None else log["token_entropy"]
             if log["mi"] < 0.5 * state["mi0"] and state["mi0"] > 0 and log["token_entropy"] >= 0.8 * state["ent0"]:

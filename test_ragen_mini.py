@@ -647,6 +647,11 @@ def test_zscore_ema():
     resumed = ZScoreEMA()
     resumed.load_state_dict(state)
     assert resumed.update(m2, g2) == pytest.approx(z2, abs=1e-9)
+    # a non-finite reading (a -inf log-prob) returns NaN and leaves the state as it was: the next reading is unharmed
+    bad = ZScoreEMA()
+    bad.update(m1, g1)
+    assert math.isnan(bad.update(m2, torch.tensor([-3.0, -float("inf")]))) and bad.state_dict() == state
+    assert bad.update(m2, g2) == pytest.approx(z2, abs=1e-9)
 
 
 def mi_metrics_plain(matched, marginal):
@@ -727,6 +732,9 @@ def test_demo_bucket_norms_mean_and_standard_error():
     assert paired["entropy"] == pytest.approx(3 ** 0.5) and paired["kl"] == pytest.approx(1.0) and paired["task"] is None
     zeros = {k: [0.0] * 3 for k in ("task", "entropy", "kl")}
     assert demo.bucket_norms([{"step": 0}]) == (zeros, zeros, {k: None for k in zeros}, 0)
+    # --groups 2 --gradnorm-every k logs two buckets (no rv_b2): no top bucket to read, no step counted (was a KeyError)
+    two = {"step": 0, **{f"{k}_b{b}": 1.0 for k in ("gn_task", "gn_entropy", "gn_kl", "rv") for b in range(2)}}
+    assert demo.bucket_norms([two, rows[0]])[3] == 1
 
 
 # ---------------------------------------------------------------- cross_score
@@ -749,7 +757,7 @@ class PlainCall(torch.nn.Module):
         return SimpleNamespace(logits=self.inner(input_ids=input_ids, attention_mask=attention_mask).logits)
 
 
-def brute_force(model, prompts, reasons, matched):
+def brute_force(model, prompts, reasons, matched, temperature=1.0):
     N, M = len(reasons), len(prompts)
     L = torch.zeros(N, M)
     ents = []
@@ -758,7 +766,7 @@ def brute_force(model, prompts, reasons, matched):
             for j, x in enumerate(prompts):
                 if not z:
                     continue
-                logp = F.log_softmax(model(input_ids=torch.tensor([x + z])).logits[0].float(), -1)
+                logp = F.log_softmax(model(input_ids=torch.tensor([x + z])).logits[0].float() / temperature, -1)
                 rows = logp[len(x) - 1:len(x) + len(z) - 1]
                 L[i, j] = rows.gather(1, torch.tensor(z)[:, None]).sum()
                 if matched[i] == j:
@@ -780,6 +788,12 @@ def test_cross_score_matches_brute_force():
         assert torch.allclose(out["L_sum"], L_ref, atol=1e-5), bs
         assert torch.allclose(out["L_mean"], L_ref / lens, atol=1e-5)
         assert out["entropy"] == pytest.approx(ent_ref, abs=1e-5)
+    # scored as the policy samples: at temperature T, log-softmax(logits / T), on both paths
+    L_T, ent_T = brute_force(model, prompts, reasons, matched, temperature=0.5)
+    assert not torch.allclose(L_T, L_ref, atol=1e-2)
+    for m in (model, PlainCall(model)):
+        hot = cross_score(m, prompts, reasons, pad_id=0, matched=matched, batch_size=3, temperature=0.5)
+        assert torch.allclose(hot["L_sum"], L_T, atol=1e-5) and hot["entropy"] == pytest.approx(ent_T, abs=1e-5)
     assert (out["L_sum"][2] == 0).all() and (out["L_mean"][2] == 0).all()  # empty reasoning row
     assert cross_score(model, prompts, reasons, pad_id=0)["entropy"] is None
     assert cross_score(model, prompts, [[]], pad_id=0, matched=[0])["entropy"] is None  # all empty
@@ -1224,19 +1238,19 @@ def test_a_reply_of_just_eos_is_one_trained_token_a_turn(tiny):
 
 def test_diagnostics_score_each_reasoning_against_each_groups_first_prompt(tiny, monkeypatch):
     """The cross-scoring matrix's columns are the P groups' first prompts (one per group), and row i's own
-    column is its group: c(i) = i // G."""
+    column is its group: c(i) = i // G; the temperature passes through."""
     cfg, model, tok = tiny
     P, G, seen = 3, 2, {}
     eps = [dict(first_prompt=[10 + g], first_think=f"P {g} {i}") for g in range(P) for i in range(G)]
     class Seen(Exception):
         pass
-    def cross_score(model, prompts, reasons, pad, matched):
-        seen.update(prompts=prompts, reasons=reasons, matched=matched)
+    def cross_score(model, prompts, reasons, pad, matched, temperature):
+        seen.update(prompts=prompts, reasons=reasons, matched=matched, temperature=temperature)
         raise Seen  # the arguments are what this test is about
     monkeypatch.setattr(rm.metrics, "cross_score", cross_score)
     with pytest.raises(Seen):
-        rm.diagnostics(model, tok, eps, G, ZScoreEMA())
-    assert seen["prompts"] == [[10], [11], [12]] and seen["matched"] == [0, 0, 1, 1, 2, 2]
+        rm.diagnostics(model, tok, eps, G, ZScoreEMA(), 0.7)
+    assert seen["prompts"] == [[10], [11], [12]] and seen["matched"] == [0, 0, 1, 1, 2, 2] and seen["temperature"] == 0.7
     assert seen["reasons"] == [tok(e["first_think"], add_special_tokens=False).input_ids for e in eps]
 
 
@@ -1311,6 +1325,16 @@ def test_the_loop_trains_on_the_kept_groups_with_the_controls_scales(tmp_path, m
         assert [s[0] for s in seqs] == [e["ids"] for e in kept] and [s[1] for s in seqs] == [e["mask"] for e in kept]
         R = torch.tensor([e["ret"] for e in eps]).view(4, 4)
         assert torch.equal(adv, rm.advantages(R[[1, 3]], cfg.adv).flatten()) and adv.abs().min() > 0.25
+
+
+def test_the_loop_scores_its_diagnostics_at_the_sampling_temperature(tmp_path, monkeypatch):
+    """--temperature: the batch is sampled at T, so its MI proxies and token entropy score it under the same policy."""
+    cfg = rm.parse_args(SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--steps", "1",
+                                 "--temperature", "0.7"])
+    seen, real = [], rm.diagnostics
+    monkeypatch.setattr(rm, "diagnostics", lambda *a: seen.append(a[5:]) or real(*a))
+    rm.train(cfg, quiet=True)
+    assert seen == [(0.7,)]
 
 
 def test_reg_only_trains_on_the_regularisers_alone(tmp_path, monkeypatch):
