@@ -13,7 +13,7 @@ import torch.nn.functional as F
 _ROWS = 4096  # logits rows turned into float32 log-probs at a time (bounds memory for large vocabularies)
 
 
-def _entropy_from_logp(logp):
+def entropy(logp):
     """H = -sum_v p_v log p_v with p = exp(logp); a -inf log-prob (p = 0) contributes 0, not NaN."""
     logp = logp.clamp_min(torch.finfo(logp.dtype).min)
     return -(logp.exp() * logp).sum(-1)
@@ -30,7 +30,7 @@ def token_entropy(logits, mask):
     rows = logits[mask.bool()].float()  # [K, V]
     if rows.shape[0] == 0:
         return torch.zeros((), device=logits.device)
-    return _entropy_from_logp(F.log_softmax(rows, dim=-1)).mean()
+    return entropy(F.log_softmax(rows, dim=-1)).mean()
 
 
 def seq_rep(seqs, n=4):
@@ -75,7 +75,7 @@ def _span_logp(logits, spans, ent, temperature=1.0):
         logp = F.log_softmax(logits[b_idx[sl], pos[sl]].float() / temperature, dim=-1)  # [K, V]
         pair_sum.index_add_(0, b_idx[sl], logp.gather(1, tgt[sl, None]).squeeze(1))
         if own_m[sl].any():
-            ent[0] += _entropy_from_logp(logp[own_m[sl]]).sum().double().cpu()
+            ent[0] += entropy(logp[own_m[sl]]).sum().double().cpu()
             ent[1] += int(own_m[sl].sum())
     return pair_sum.cpu()
 

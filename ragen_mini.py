@@ -376,7 +376,7 @@ def loss_terms(model, ref, batch, adv, cfg):
     ratio = torch.exp(logp - old[:, 1:][sel])  # [K] pi / pi_old
     A = adv[:, None].expand_as(sel)[sel]  # [K] one advantage for every token of the trajectory
     pg = torch.maximum(-A * ratio, -A * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high))  # PPO clipped surrogate
-    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [K] full-softmax entropy
+    entropy = metrics.entropy(logp_all)  # [K] full-softmax entropy (a -inf logit, p = 0, adds 0, not NaN)
     kl = torch.zeros_like(logp)
     if ref is not None:  # k3 estimator of KL(pi || pi_ref): exp(d) - d - 1, d = log pi_ref - log pi
         with torch.no_grad():
@@ -467,6 +467,8 @@ def grad_norms_by_bucket(model, ref, seqs, returns, cfg, n_buckets=3):
     P, G = returns.shape
     out, params = {}, [p for p in model.parameters() if p.requires_grad]
     adv = advantages(returns, cfg.adv).flatten()
+    if torch.is_autocast_enabled(model.device.type):  # bf16: pi_old from the training forward, as update() takes it
+        seqs = training_logprobs(model, seqs, list(range(len(seqs))), cfg)
     for b, groups in enumerate(metrics.variance_buckets(returns.var(1).tolist(), n_buckets)):
         if not groups:  # fewer groups than buckets
             continue

@@ -1178,6 +1178,37 @@ def test_mixed_precision_keeps_fp32_weights_and_recomputes_old_logprobs(tiny, mo
     assert len(moved) == len(start)  # lr 1e-6 moves every fp32 tensor (pure bf16 weights would mostly round it away)
 
 
+def test_gradient_buckets_under_bf16_take_pi_old_from_the_training_forward(tiny, monkeypatch):
+    """As update() does under bf16, the buckets' task term recomputes pi_old with the training forward: the
+    sampler's log-probs (here shifted by 1, a ratio of e outside the clip) do not move the bf16 norms; in fp32 they do."""
+    cfg, model, tok = tiny
+    torch.manual_seed(5)
+    eps = rm.rollout(model, tok, cfg, [41, 42, 43], 2, 1.0)
+    R = torch.tensor([[0.0, 0.0], [1.0, 0.5], [1.0, 0.0]])
+    seqs = [(e["ids"], e["mask"], e["logp"]) for e in eps]
+    shifted = [(ids, mask, [lp - 1.0 * m for lp, m in zip(lps, mask)]) for ids, mask, lps in seqs]
+    m = copy.deepcopy(model).train()
+    assert rm.grad_norms_by_bucket(m, None, seqs, R, cfg)["gn_task_b2"] != rm.grad_norms_by_bucket(m, None, shifted, R, cfg)["gn_task_b2"]
+    monkeypatch.setattr(rm, "AMP_DEVICES", ("cuda", "cpu"))
+    bf16 = rm.grad_norms_by_bucket(m, None, seqs, R, cfg)
+    assert bf16 == rm.grad_norms_by_bucket(m, None, shifted, R, cfg) and bf16["gn_task_b2"] > 0
+
+
+def test_the_losss_entropy_bonus_takes_a_minus_inf_logit(tiny, monkeypatch):
+    """A model whose logits hold -inf (a masked-out token, p = 0): the entropy term adds 0 for it, not NaN."""
+    cfg, model, tok = tiny
+    torch.manual_seed(5)
+    eps = rm.rollout(model, tok, cfg, [41], 2, 1.0)
+    batch = rm.pad_right([(e["ids"], e["mask"]) for e in eps], 0, model.device, [e["logp"] for e in eps])
+    real = rm.agent_logits
+    monkeypatch.setattr(rm, "agent_logits", lambda m, ids, sel: real(m, ids, sel).index_fill(-1, torch.tensor([tok.pad_token_id]), float("-inf")))
+    t = rm.loss_terms(model, None, batch, torch.tensor([1.0, -1.0]), cfg)
+    assert all(math.isfinite(float(t[k])) for k in ("pg", "entropy")) and float(t["entropy"]) > 0
+    t["entropy"].backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    model.zero_grad(set_to_none=True)
+
+
 def test_mixed_precision_run_end_to_end(tmp_path, monkeypatch):
     """rollout, diagnostics, gradient buckets, update and evaluation under bf16 autocast (as on a GPU), on the CPU."""
     monkeypatch.setattr(rm, "AMP_DEVICES", ("cuda", "cpu"))
