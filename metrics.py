@@ -95,7 +95,8 @@ def cross_score(model, prompts, reasons, pad_id, matched=None, batch_size=256, t
     prompts are long and reasonings short, so each prompt x_j is run once (batch 1, use_cache=True); its KV
     cache is repeated over chunks of batch_size reasonings (sorted by length, right-padded with pad_id), which
     are run with past_key_values=, an attention_mask over prompt + reasoning and position_ids |x_j| + k.
-    The prompt's last logits predict z_i,0. This costs M prompt passes + N*M short passes instead of N*M full ones.
+    The prompt's last logits predict z_i,0. This costs M prompt passes + N*M short passes instead of N*M full ones,
+    M counting identical prompts once (--mi-any-turn's contexts: a first turn's is its group's).
     Otherwise (plain path) the pairs [x_j ; z_i] are sorted by length and run whole in chunks of batch_size,
     right-padded with an attention_mask (default arange position ids are then right), calling
     model(input_ids=, attention_mask=); if the forward takes `logits_to_keep` only the trailing positions
@@ -108,6 +109,12 @@ def cross_score(model, prompts, reasons, pad_id, matched=None, batch_size=256, t
         raise ValueError("cross_score: every prompt needs at least one token")
     if matched is not None and len(matched) != N:
         raise ValueError("cross_score: matched needs one column per reasoning")
+    uniq = {u: k for k, u in enumerate(dict.fromkeys(map(tuple, prompts)))}
+    if len(uniq) < M:  # identical prompts score alike: each distinct one is scored once, its column then copied
+        col = [uniq[tuple(p)] for p in prompts]
+        out = cross_score(model, [list(u) for u in uniq], reasons, pad_id, matched and [col[m] for m in matched],
+                          batch_size, temperature)
+        return dict(out, L_sum=out["L_sum"][:, col], L_mean=out["L_mean"][:, col])
     dev = _model_device(model)
     params = inspect.signature(model.forward).parameters
     keep_ok = "logits_to_keep" in params

@@ -90,6 +90,7 @@ class Config:
     include_zero: bool = True  # zero-spread groups may be kept: snr with p >= 1 is then no filter, topk keeps top groups even without spread (ref: rollout_filter_include_zero, default True)
     # --- diagnostics, evaluation, runs ---
     diag_every: int = 5  # entropy + MI proxies every k steps, on the unfiltered batch
+    mi_any_turn: bool = False  # also the MI proxies on one turn per episode, drawn uniformly, under its whole context (ref: collapse_detection.multi_turn_enabled)
     gradnorm_every: int = 0  # task / entropy / KL gradient norms by reward-variance bucket every k steps with reward spread (0 = off)
     eval_every: int = 20  # evaluation every n steps (and at the start and end)
     eval_episodes: int = 128  # held-out seeds per evaluation (binomial noise: +-0.04 at success 0.3)
@@ -287,7 +288,7 @@ def rollout(model, tok, cfg, seeds, group_size, temperature):
             env = make_env(cfg)
             env.reset(s)
             eps.append(dict(env=env, seed=s, ids=[], mask=[], logp=[], ret=0.0, success=False, done=False,
-                            fmt_errors=0, turns=0, first_prompt=None, first_think=None, replies=[], chunk=[]))
+                            fmt_errors=0, turns=0, first_prompt=None, first_think=None, replies=[], chunk=[], starts=[]))
     chat, turns = Chat(tok, eps[0]["env"].instruction), eps[0]["env"].max_turns
     budget = cfg.max_new_tokens or eps[0]["env"].reply_tokens  # tokens per agent turn
     stop = stop_ids(model, tok)
@@ -298,6 +299,7 @@ def rollout(model, tok, cfg, seeds, group_size, temperature):
             p = chat.first(user) if turn == 1 else chat.next(user)
             e["ids"] += p; e["mask"] += [0] * len(p); e["logp"] += [0.0] * len(p); e["chunk"] += p
             e["first_prompt"] = e["first_prompt"] or p
+            e["starts"].append(len(e["ids"]))  # the turn's context ends here, at its prefilled <think>
         new, lps, state, unfed = generate(model, [e["chunk"] for e in live], budget, temperature,
                                           stop, tok.pad_token_id, state)
         for e, t, lp, u in zip(live, new, lps, unfed):
@@ -437,11 +439,11 @@ def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
 
 # ----------------------------------------------------------------------------- diagnostics
 @amp
-def diagnostics(model, tok, eps, G, ema, temperature=1.0):
+def diagnostics(model, tok, eps, G, ema, temperature=1.0, turn_rng=None):
     """Entropy and MI proxies on the unfiltered batch (README "Metrics"): cross-score every first-turn
     reasoning z_i under every group's first prompt x_j, L[i, j] = log p(z_i | x_j), p the policy at the sampling
     temperature (as the loss scores tokens). Only think_len (0) when no episode wrote any reasoning: a model that
-    skips it."""
+    skips it. With turn_rng (--mi-any-turn), also mi_turn / retrieval_turn: see any_turn_pairs."""
     prompts = [eps[g * G]["first_prompt"] for g in range(len(eps) // G)]
     reasons = [tok(e["first_think"] or "", add_special_tokens=False).input_ids for e in eps]
     form = {"think_len": sum(map(len, reasons)) / len(reasons)}  # mean tokens of a first-turn reasoning
@@ -454,9 +456,25 @@ def diagnostics(model, tok, eps, G, ema, temperature=1.0):
     if len(set(keys)) < 2:  # one distinct prompt (--groups 1, or an env whose start never varies): no MI to estimate
         return {"token_entropy": cs["entropy"]} | form
     mi, mi_sum = metrics.mi_metrics(cs["L_mean"], col, keys), metrics.mi_metrics(cs["L_sum"], col, keys)
+    turn = {}
+    if turn_rng is not None:  # one turn per episode, each pair its own column (identical contexts: one column)
+        xs, zs = any_turn_pairs(eps, tok, turn_rng)
+        mt = metrics.mi_metrics(metrics.cross_score(model, xs, zs, tok.pad_token_id, temperature=temperature)["L_mean"],
+                                torch.arange(len(xs)), [tuple(x) for x in xs])
+        turn = {"mi_turn": mt["mi"], "retrieval_turn": mt["retrieval_acc"], "retrieval_turn_chance": mt["retrieval_chance"]}
     return {"token_entropy": cs["entropy"]} | form | {"mi": mi["mi"], "mi_seq": mi_sum["mi"], "retrieval": mi["retrieval_acc"],
             "retrieval_chance": mi["retrieval_chance"], "h_cond": mi["h_cond"], "h_marg": mi["h_marg"],
-            "mi_zscore": mi["mi_zscore"], "mi_zscore_ema": ema.update(mi["matched"], mi["marginal"])}
+            "mi_zscore": mi["mi_zscore"], "mi_zscore_ema": ema.update(mi["matched"], mi["marginal"])} | turn
+
+
+def any_turn_pairs(eps, tok, rng):
+    """--mi-any-turn (the reference's trajectory-uniform sampling): per episode, a turn drawn uniformly from those
+    it played; x = the whole conversation up to that turn's prefilled <think>, z = that turn's reasoning tokens.
+    -> (contexts, reasonings). Later turns' contexts hold the episode's own history, so most pairs are their own
+    column, and the proxies ask whether a turn's reasoning still depends on where the episode stands."""
+    turns = [rng.randrange(len(e["starts"])) for e in eps]
+    return ([e["ids"][:e["starts"][t]] for e, t in zip(eps, turns)],
+            [tok(e["replies"][t][len(THINK):].split("</think>")[0], add_special_tokens=False).input_ids for e, t in zip(eps, turns)])
 
 
 @amp
@@ -534,7 +552,7 @@ def train_locked(cfg, out, quiet):
         # 3. diagnostics on the unfiltered batch, so filtered and unfiltered runs are measured alike
         seqs = [(e["ids"], e["mask"], e["logp"]) for e in eps]
         if step % cfg.diag_every == 0 or step == cfg.steps - 1:
-            log |= diagnostics(model, tok, eps, G, ema, cfg.temperature)  # think_len alone if no episode wrote a first-turn reasoning
+            log |= diagnostics(model, tok, eps, G, ema, cfg.temperature, rng if cfg.mi_any_turn else None)  # think_len alone if no episode wrote a first-turn reasoning
         if math.isfinite(log.get("mi", math.nan)):  # (a non-finite reading neither starts nor fires the alarm)
             state["mi0"] = state["mi0"] if state["mi0"] is not None else log["mi"]
             state["ent0"] = state["ent0"] if state["ent0"] is not None else log["token_entropy"]

@@ -799,6 +799,45 @@ def test_cross_score_matches_brute_force():
     assert cross_score(model, prompts, [[]], pad_id=0, matched=[0])["entropy"] is None  # all empty
 
 
+def test_cross_score_scores_identical_prompts_once_and_copies_their_column():
+    """Identical prompts (--mi-any-turn: a group's first-turn contexts) are run once: the same L and entropy as the
+    brute force over every column, on both paths, and the model sees each distinct prompt once."""
+    model = tiny_llama()
+    g = torch.Generator().manual_seed(2)
+    rand = lambda n: torch.randint(2, 32, (n,), generator=g).tolist()  # noqa: E731
+    a, b = rand(5) + [1], rand(3) + [1]
+    prompts, reasons, matched = [a, b, list(a), a], [rand(4), rand(2), rand(6)], [2, 1, 3]
+    L_ref, ent_ref = brute_force(model, prompts, reasons, matched)
+    calls = []
+    model.register_forward_pre_hook(lambda m, args, kw: calls.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    for m in (model, PlainCall(model)):
+        out = cross_score(m, prompts, reasons, pad_id=0, matched=matched, batch_size=256)
+        assert torch.allclose(out["L_sum"], L_ref, atol=1e-5) and out["entropy"] == pytest.approx(ent_ref, abs=1e-5)
+        assert torch.equal(out["L_sum"][:, 0], out["L_sum"][:, 3])
+    assert calls[0] == 2  # the prefix path's prompt pass: 2 distinct prompts, not 4
+
+
+def test_any_turn_pairs_take_a_played_turn_and_its_whole_context(tiny):
+    """--mi-any-turn: per episode one turn drawn uniformly from those it played; its context is the conversation up
+    to that turn's prefilled <think> (the first turn's: the episode's first prompt), its reasoning that turn's."""
+    cfg, model, tok = tiny
+    torch.manual_seed(3)
+    eps = rm.rollout(model, tok, cfg, [41, 42, 43, 44], 4, 1.0)
+    assert all(len(e["starts"]) == e["turns"] == len(e["replies"]) for e in eps) and max(e["turns"] for e in eps) > 1
+    seen = {i: set() for i in range(len(eps))}
+    for s in range(60):
+        xs, zs = rm.any_turn_pairs(eps, tok, random.Random(s))
+        assert (xs, zs) == rm.any_turn_pairs(eps, tok, random.Random(s))  # drawn from the rng alone
+        for i, (e, x, z) in enumerate(zip(eps, xs, zs)):
+            t = e["starts"].index(len(x))
+            seen[i].add(t)
+            assert x == e["ids"][:len(x)] and tok.decode(x).endswith(rm.THINK) and tok.decode(x).count("<|im_start|>assistant") == t + 1
+            assert e["mask"][len(x) - 1] == 0 and e["mask"][len(x)] == 1  # the prefill ends it; the agent's turn t follows
+            assert z == tok(e["replies"][t][len(rm.THINK):].split("</think>")[0], add_special_tokens=False).input_ids
+            assert t > 0 or x == e["first_prompt"]
+    assert all(seen[i] == set(range(e["turns"])) for i, e in enumerate(eps))  # every played turn comes up
+
+
 def test_cross_score_prefix_path_matches_plain_path():
     model = tiny_llama()
     g = torch.Generator().manual_seed(4)
@@ -1358,14 +1397,18 @@ def test_the_loop_trains_on_the_kept_groups_with_the_controls_scales(tmp_path, m
         assert torch.equal(adv, rm.advantages(R[[1, 3]], cfg.adv).flatten()) and adv.abs().min() > 0.25
 
 
-def test_the_loop_scores_its_diagnostics_at_the_sampling_temperature(tmp_path, monkeypatch):
-    """--temperature: the batch is sampled at T, so its MI proxies and token entropy score it under the same policy."""
-    cfg = rm.parse_args(SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--steps", "1",
-                                 "--temperature", "0.7"])
+def test_the_loop_scores_its_diagnostics_at_the_sampling_temperature_and_any_turn_on_request(tmp_path, monkeypatch):
+    """--temperature: the batch is sampled at T, so its MI proxies and token entropy score it under the same policy.
+    With --mi-any-turn the step's own rng draws the turns, and the sampled-turn proxies are logged beside the others."""
+    args = SMALL + ["--cache-dir", str(tmp_path / "c"), "--steps", "1", "--temperature", "0.7"]
     seen, real = [], rm.diagnostics
     monkeypatch.setattr(rm, "diagnostics", lambda *a: seen.append(a[5:]) or real(*a))
-    rm.train(cfg, quiet=True)
-    assert seen == [(0.7,)]
+    first, _, _ = rm.train(rm.parse_args(args + ["--out", str(tmp_path / "a")]), quiet=True)
+    assert seen == [(0.7, None)] and "mi_turn" not in runfiles.read_log(os.path.join(first["out"], "log.jsonl"))[0]
+    summary, _, _ = rm.train(rm.parse_args(args + ["--out", str(tmp_path / "b"), "--mi-any-turn"]), quiet=True)
+    assert seen[1][0] == 0.7 and isinstance(seen[1][1], random.Random)
+    row = runfiles.read_log(os.path.join(summary["out"], "log.jsonl"))[0]
+    assert 0 <= row["retrieval_turn"] <= 1 and 1 / 16 <= row["retrieval_turn_chance"] <= 1 and math.isfinite(row["mi_turn"])
 
 
 def test_reg_only_trains_on_the_regularisers_alone(tmp_path, monkeypatch):
