@@ -552,7 +552,7 @@ def train_locked(cfg, out, quiet):
         # 3. diagnostics on the unfiltered batch, so filtered and unfiltered runs are measured alike
         seqs = [(e["ids"], e["mask"], e["logp"]) for e in eps]
         if step % cfg.diag_every == 0 or step == cfg.steps - 1:
-            log |= diagnostics(model, tok, eps, G, ema, cfg.temperature, rng if cfg.mi_any_turn else None)  # think_len alone if no episode wrote a first-turn reasoning
+            log |= diagnostics(model, tok, eps, G, ema, cfg.temperature, rng if cfg.mi_any_turn else None)
         if math.isfinite(log.get("mi", math.nan)):  # (a non-finite reading neither starts nor fires the alarm)
             state["mi0"] = state["mi0"] if state["mi0"] is not None else log["mi"]
             state["ent0"] = state["ent0"] if state["ent0"] is not None else log["token_entropy"]
