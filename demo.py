@@ -63,7 +63,8 @@ def last(rows, key):
     return next((r[key] for r in reversed(rows) if key in r), float("nan"))
 
 
-DIAGNOSTICS = ("token_entropy", "think_len", "seq_rep4", "mi", "retrieval", "retrieval_chance", "mi_zscore_ema")  # in both tables
+DIAGNOSTICS = ("token_entropy", "think_len", "seq_rep4", "mi", "retrieval", "retrieval_chance", "mi_zscore_ema",
+               "mi_turn", "retrieval_turn", "retrieval_turn_chance")  # in both tables (the last three: --mi-any-turn)
 
 
 def readings(rows):
@@ -330,12 +331,15 @@ def main(cfg):
         stats[label] = readings(rows) | dict(sec=f"{times[label]:.0f}s")
     for label, s in stats.items():
         h = held[label]  # the same held-out batches for every model
-        s |= dict(ret=s["retrieval"] - s["retrieval_chance"], mi_held=h["mi"], ret_held=h["retrieval"] - h["retrieval_chance"])
+        s |= dict(ret=s["retrieval"] - s["retrieval_chance"], mi_held=h["mi"], ret_held=h["retrieval"] - h["retrieval_chance"],
+                  ret_turn=s["retrieval_turn"] - s["retrieval_turn_chance"])
     names = [("eval_success", f"eval success ({base.eval_episodes} held-out maps, T={base.eval_temperature:g})"), ("token_entropy", "reasoning token entropy"),
              ("think_len", "reasoning length (tokens, first turn)"), ("seq_rep4", "repetition inside a reasoning (seq-rep-4)"),
              ("mi", "MI estimate (nats)"), ("ret", "retrieval accuracy above chance"),
              ("mi_held", f"MI estimate, held-out batches (mean of {HELDOUT_BATCHES} x {HELDOUT_MAPS} maps x {base.group_size})"),
              ("ret_held", "retrieval above chance, held-out batches"),
+             *([("mi_turn", "MI estimate, a turn drawn per episode (--mi-any-turn)"),
+                ("ret_turn", "retrieval above chance, a turn drawn per episode")] if base.mi_any_turn else []),
              ("mi_zscore_ema", "MI z-score (EMA)"),
              ("kept", "mean kept fraction"), ("skipped", "skipped steps"), ("alarm", "collapse alarm"), ("sec", "wall-clock")]
     for key, title in names:

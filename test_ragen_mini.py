@@ -1901,7 +1901,8 @@ def test_demo_code_path_runs_shortened(tmp_path, monkeypatch, capsys, threads):
     monkeypatch.setattr(demo, "HELDOUT_BATCHES", 2)
     if threads == 1:  # in this process: returns that spread, so (b) keeps groups and (a) measures its buckets
         monkeypatch.setattr(rm, "rollout", spread_returns(rm.rollout))  # (20 warm-start steps fail every map)
-    cfg = rm.parse_args(["--demo", "--warmup-steps", "20", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "c")])
+    cfg = rm.parse_args(["--demo", "--warmup-steps", "20", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "c")]
+                        + ["--mi-any-turn"] * (threads == 1))  # its table rows, on one of the two paths
     demo.main(cfg)
     out = tmp_path / os.path.basename(demo.demo_dir(cfg))  # demo-s0-<hash>: --warmup-steps changed the set-up
     for run in ("a_no_filter", "b_snr_filter", "c_control"):
@@ -1918,6 +1919,7 @@ def test_demo_code_path_runs_shortened(tmp_path, monkeypatch, capsys, threads):
     for needle in ["| eval success", "| reasoning length", "| repetition inside a reasoning", "| MI estimate", "| MI estimate, held-out batch", "| collapse alarm", "gradient norms by reward-variance bucket",
                    "--- map 1000000 ---", "answer follows a teacher-forced reasoning"]:
         assert needle in table, needle
+    assert ("| MI estimate, a turn drawn per episode" in table) == (threads == 1)
     duels = re.findall(r"  (.+?) solves (\d+) maps that (.+?) fails and fails (\d+) that it solves: sign test p = ", table)
     assert [(x, y) for x, _, y, _ in duels][:2] == [("(b) SNR filter", "(a) no filter"), ("(b) SNR filter", "(c) control")]
     assert len(duels) == 5 and all(int(w) + int(l) <= 8 for _, w, _, l in duels)  # 8 held-out maps in this test
