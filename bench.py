@@ -11,7 +11,7 @@ micro-batches, the LM head on the agent's tokens only): what the GRPO terms and 
 the update time with --filter none vs snr (or --filter's rule) on the same rollouts, and peak memory.
 Run it alone: two CPU-heavy processes on 2 cores slow torch many times over.
 """
-import copy, dataclasses, resource, statistics, time
+import copy, dataclasses, random, resource, statistics, time
 
 import torch
 import torch.nn.functional as F
@@ -158,7 +158,7 @@ def main(cfg, iters=4):
         seqs = [(e["ids"], e["mask"], e["logp"]) for e in eps]
         clock.on = False
         t1 = time.perf_counter()
-        rm.diagnostics(model, tok, eps, G, ema, cfg.temperature)
+        rm.diagnostics(model, tok, eps, G, ema, cfg.temperature, random.Random(it) if cfg.mi_any_turn else None)  # as the loop
         t_diag = (time.perf_counter() - t1) / cfg.diag_every  # amortised over the diagnostics period
         model.train()
         adv = rm.advantages(R, cfg.adv).flatten().to(device)

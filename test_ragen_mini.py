@@ -1984,7 +1984,7 @@ def test_plot_takes_runs_with_a_step_and_refuses_the_rest(tmp_path, capsys):
 
 
 def test_bench_code_path_prints_its_figures(tmp_path):
-    r = run_cli("--bench", *SMALL, "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path), timeout=300)
+    r = run_cli("--bench", *SMALL, "--mi-any-turn", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path), timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     for needle in ["overhead ratio", "prefill", "decode", "env", "diagnostics", "update", "peak"]:
         assert needle in r.stdout, (needle, r.stdout[-3000:])
