@@ -1242,7 +1242,7 @@ def test_the_losss_entropy_bonus_takes_a_minus_inf_logit(tiny, monkeypatch):
     real = rm.agent_logits
     monkeypatch.setattr(rm, "agent_logits", lambda m, ids, sel: real(m, ids, sel).index_fill(-1, torch.tensor([tok.pad_token_id]), float("-inf")))
     t = rm.loss_terms(model, None, batch, torch.tensor([1.0, -1.0]), cfg)
-    assert all(math.isfinite(float(t[k])) for k in ("pg", "entropy")) and float(t["entropy"]) > 0
+    assert all(math.isfinite(float(t[k].detach())) for k in ("pg", "entropy")) and float(t["entropy"].detach()) > 0
     t["entropy"].backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     model.zero_grad(set_to_none=True)
