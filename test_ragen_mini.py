@@ -1910,6 +1910,7 @@ def test_demo_code_path_runs_shortened(tmp_path, monkeypatch, capsys, threads):
         assert [r["step"] for r in rows] == [0, 1, 2] and "eval_success" in rows[-1]
         assert all(("gn_kl_b2" in r) == (run == "a_no_filter" and r["rv_before"] > 0) for r in rows)  # in (a) only, with spread
         assert threads == 2 or all(r["rv_before"] > 0 and r["kept_frac"] > 0 and "skipped" not in r for r in rows)
+        assert all(math.isfinite(r["mi_turn"]) if threads == 1 else "mi_turn" not in r for r in rows if "mi" in r)
     cfgs = {run: json.load(open(out / run / "config.json")) for run in ("a_no_filter", "b_snr_filter", "c_control")}
     assert cfgs["c_control"]["reg_scale_from"].endswith("b_snr_filter/log.jsonl") and cfgs["c_control"]["filter"] == "none"
     differ = lambda x, y: {k for k in cfgs[x] if cfgs[x][k] != cfgs[y][k]}  # training settings: only the filter differs
