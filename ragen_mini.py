@@ -145,6 +145,12 @@ def user_turn(turn, obs, turns_left, reward=None):
             f"Always output: <think> ... </think> <answer> ... </answer>")
 
 
+def reasoning(reply):
+    """What the MI proxies score as a reply's reasoning: the text after the prefilled <think> up to </think>, or the
+    whole reply when it never closes it (README "Metrics")."""
+    return reply[len(THINK):].split("</think>")[0]
+
+
 class Chat:
     """Token pieces of a multi-turn conversation under the model's own chat template.
 
@@ -309,7 +315,7 @@ def rollout(model, tok, cfg, seeds, group_size, temperature):
                 e["ids"] += [tok.eos_token_id]; e["mask"] += [0]; e["logp"] += [0.0]; e["chunk"] += [tok.eos_token_id]
             reply = THINK + tok.decode(t, skip_special_tokens=True)
             e["replies"].append(reply)
-            e["first_think"] = e["first_think"] if turn > 1 else reply[len(THINK):].split("</think>")[0]
+            e["first_think"] = e["first_think"] if turn > 1 else reasoning(reply)
             _, e["r"], done, info = envs.step_reply(e["env"], reply, cfg.max_actions)
             e["ret"] += e["r"]; e["turns"] = turn; e["fmt_errors"] += not info.get("format_ok", True)
             e["success"] = e["success"] or bool(info.get("success")); e["done"] = done
@@ -474,7 +480,7 @@ def any_turn_pairs(eps, tok, rng):
     column, and the proxies ask whether a turn's reasoning still depends on where the episode stands."""
     turns = [rng.randrange(len(e["starts"])) for e in eps]
     return ([e["ids"][:e["starts"][t]] for e, t in zip(eps, turns)],
-            [tok(e["replies"][t][len(THINK):].split("</think>")[0], add_special_tokens=False).input_ids for e, t in zip(eps, turns)])
+            [tok(reasoning(e["replies"][t]), add_special_tokens=False).input_ids for e, t in zip(eps, turns)])
 
 
 @amp

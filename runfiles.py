@@ -103,6 +103,7 @@ def model_problem(model, tok, chat, agent_logits):
         return "sliding-window attention is not supported (the rollout's KV cache holds padding)"
     return None
 
+
 def plotted(cfg):
     """The run folders --plot names (comma-separated, ~ allowed); a folder without a log of its own stands for the runs
     below it that have logged a step (`--plot runs/demo-s0`: the demo's three runs; `--plot runs`: every run, the
