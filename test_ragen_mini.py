@@ -1401,13 +1401,15 @@ def test_the_loop_scores_its_diagnostics_at_the_sampling_temperature_and_any_tur
     """--temperature: the batch is sampled at T, so its MI proxies and token entropy score it under the same policy.
     With --mi-any-turn the step's own rng draws the turns, and the sampled-turn proxies are logged beside the others."""
     args = SMALL + ["--cache-dir", str(tmp_path / "c"), "--steps", "1", "--temperature", "0.7"]
-    seen, real = [], rm.diagnostics
-    monkeypatch.setattr(rm, "diagnostics", lambda *a: seen.append(a[5:]) or real(*a))
+    seen, got, real = [], [], rm.diagnostics
+    monkeypatch.setattr(rm, "diagnostics", lambda *a: seen.append(a[5:]) or got.append(real(*a)) or got[-1])
     first, _, _ = rm.train(rm.parse_args(args + ["--out", str(tmp_path / "a")]), quiet=True)
     assert seen == [(0.7, None)] and "mi_turn" not in runfiles.read_log(os.path.join(first["out"], "log.jsonl"))[0]
     summary, _, _ = rm.train(rm.parse_args(args + ["--out", str(tmp_path / "b"), "--mi-any-turn"]), quiet=True)
     assert seen[1][0] == 0.7 and isinstance(seen[1][1], random.Random)
     row = runfiles.read_log(os.path.join(summary["out"], "log.jsonl"))[0]
+    turn_keys = ("mi_turn", "retrieval_turn", "retrieval_turn_chance")
+    assert all(k in got[1] for k in turn_keys) and {k: row[k] for k in turn_keys} == {k: got[1][k] for k in turn_keys}
     assert 0 <= row["retrieval_turn"] <= 1 and 1 / 16 <= row["retrieval_turn_chance"] <= 1 and math.isfinite(row["mi_turn"])
 
 
