@@ -472,7 +472,9 @@ class Countdown(Env):
 
     Reward 1.0 for a correct expression, 0.1 for a well-formed one with the wrong value or the wrong numbers,
     0.0 for a malformed one (info["valid"] False; the episode goes on). Division is exact (fractions). With
-    max_turns > 1 a wrong answer is shown with its value and the agent may try again.
+    max_turns > 1 a wrong answer is shown with its value and the agent may try again; each attempt then pays the
+    change in score, so the return is the last attempt's score (wrong, then right: 0.1 + 0.9), never more for
+    guessing wrong first.
 
         observation:  Numbers: 3 5 7 / Target: 22
         reply:        <think> numbers 3 5 7 target 22 ; 3*5=15 , 15+7=22 </think> <answer> (3*5)+7 </answer>
@@ -503,7 +505,7 @@ class Countdown(Env):
             if 1 <= pool[0][0] <= 100:
                 break
         self.target, self.solution, self.plan = pool[0][0], pool[0][1][1:-1], plan
-        self.attempts, self.last, self.done, self.success = 0, "", False, False
+        self.attempts, self.score, self.last, self.done, self.success = 0, 0.0, "", False, False
         return self.render()
 
     def render(self):
@@ -524,7 +526,8 @@ class Countdown(Env):
         self.done = self.success or self.attempts >= self.max_turns
         shown = "undefined" if value is None else value
         self.last = f"\nLast: {action} = {shown}" + ("" if right_numbers else " (wrong numbers)")
-        return 1.0 if self.success else 0.1
+        before, self.score = self.score, 1.0 if self.success else 0.1
+        return self.score - before  # the change in score: a return of 1.0 at most, however many attempts
 
     def expert(self):
         think = f"numbers {' '.join(map(str, self.numbers))} target {self.target} ; {' , '.join(self.plan)}"

@@ -377,7 +377,17 @@ def test_countdown_rewards():
     env.numbers, env.target = [3, 5, 7], 22
     obs, reward, done, _ = env.step("3+5+7")
     assert (reward, done) == (0.1, False) and "Last: 3+5+7 = 15" in obs
-    assert env.step("3*5+7")[1:3] == (1.0, True)
+    assert env.step("3*5+7")[1:3] == (0.9, True)  # the change in score: wrong then right returns 1.0, as right at once
+    env = make_env("countdown", max_turns=3)  # guessing wrong first never pays more than answering right
+    returns = {}
+    for replies in (["3*5+7"], ["3+5+7", "3*5+7"], ["3+5+7", "3+5-7", "3*5+7"], ["3+5+7", "3+5-7", "3*5-7"]):
+        env.reset(0)
+        env.numbers, env.target = [3, 5, 7], 22
+        returns[len(replies), replies[-1]] = sum(env.step(r)[1] for r in replies)
+    assert returns == pytest.approx({(1, "3*5+7"): 1.0, (2, "3*5+7"): 1.0, (3, "3*5+7"): 1.0, (3, "3*5-7"): 0.1})
+    env.reset(0)
+    env.numbers, env.target = [3, 5, 7], 22
+    assert envs.step_reply(env, "<think> t </think> <answer> 1+1 || 3*5+7 </answer>")[1] == pytest.approx(1.0)
 
 
 def test_bandit_rewards():
