@@ -136,6 +136,7 @@ def make_env(cfg):
 # ----------------------------------------------------------------------------- chat format
 SYSTEM = "You're a helpful assistant. "
 THINK = "<think>"  # prefilled after the generation prompt: the agent always starts by reasoning
+DATE = "26 Jul 2024"  # for templates that print today's date (Llama-3.x): prompts must not change at midnight
 
 
 def user_turn(turn, obs, turns_left, reward=None):
@@ -169,7 +170,7 @@ class Chat:
         self.between, self.tail = between[len(tok.eos_token):], text[text.index("USERTWO") + 7:]
 
     def render(self, messages):
-        return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, date_string=DATE)
 
     def encode(self, text):
         return self.tok(text, add_special_tokens=False).input_ids

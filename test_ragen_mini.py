@@ -957,6 +957,19 @@ def test_filter_keeps_nothing_when_no_group_has_spread():
     assert rm.filter_groups(tiny_spread, "snr", score="var") == [] and rm.filter_groups(tiny_spread, "snr") == [0]
 
 
+def test_chat_prompts_do_not_carry_todays_date(tiny):
+    """A template that prints today's date (Llama-3.x's: strftime_now unless date_string is given) gets a fixed
+    one: a run resumed on another day, and the MI proxies' prompts x_j, must see the same tokens as before."""
+    _, _, tok = tiny
+    tok = copy.deepcopy(tok)
+    tok.chat_template = ('{% if date_string is not defined %}{% set date_string = strftime_now("%H:%M:%S.%f") %}'
+                         '{% endif %}Date: {{ date_string }}\n' + tok.chat_template)
+    chat = rm.Chat(tok, "Go.")
+    first = chat.first("Turn 1")
+    time.sleep(0.01)
+    assert chat.first("Turn 1") == first and rm.DATE in tok.decode(first)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """An untrained tiny policy (no warm start), built the same way as the real one."""
