@@ -65,6 +65,8 @@ def step_reply(env, reply, max_actions=2):
     and changes nothing.
     """
     _need(_whole(max_actions) and max_actions >= 1, f"max_actions must be an integer >= 1, got {max_actions!r}")
+    if env.done:  # a finished episode: whatever the reply, nothing changes and nothing is paid (as Env.step)
+        return env.render(), 0.0, True, {"valid": True, "success": env.success, "format_ok": True}
     _, actions = parse_reply(reply)
     if actions is None:
         return env.render(), env.format_penalty, False, {"valid": False, "success": False, "format_ok": False}
@@ -332,8 +334,9 @@ class Sokoban(Env):
 
     def __init__(self, size=6, max_turns=10, inner_walls=2):
         self.size, self.max_turns, self.inner_walls = size, max_turns, inner_walls
-        _need(_whole(size) and 4 <= size <= MAX_SIZE, f"size must be an integer in [4, {MAX_SIZE}] "
-              f"(walls around the map; a {MAX_SIZE}x{MAX_SIZE} map is already 2,000 characters a turn), got {size!r}")
+        _need(_whole(size) and 5 <= size <= MAX_SIZE, f"size must be an integer in [5, {MAX_SIZE}] (walls around the "
+              f"map: a 4x4 map's 2x2 floor has no room to push a box; a {MAX_SIZE}x{MAX_SIZE} map is already 2,000 "
+              f"characters a turn), got {size!r}")
         _need(0 <= inner_walls <= (size - 2) ** 2 - 3, f"inner_walls must be in [0, {(size - 2) ** 2 - 3}] (floor "
               f"for the player, the box and the target), got {inner_walls!r}")
 
@@ -773,14 +776,16 @@ class CodeExec(Env):
     The expression is parsed with ast, checked against a whitelist (see parse_code) and run by our own
     interpreter with limits (never eval/exec). A refused expression is an invalid action. Each attempt's
     reward is the change in the fraction of tests passed, so an episode's return is the fraction passed by the
-    last attempt. Done when all pass or after max_turns attempts; failing tests are shown after an attempt.
+    last attempt. Done when all pass or after max_turns attempts. After an attempt, two failing tests' inputs and
+    what the expression gave are shown, not the values it should give: else a table of the answers seen (`7 if x ==
+    [6, 1, 4] else ...`) would pass the hidden tests without solving the task.
 
         observation:  Task: x is a list of ints; return the sum of its first 2 elements
                       Example: f([6, 1, 4]) = 7
         reply:        <think> head_sum task: return the sum of its first 2 elements ; write sum(x[:2]) </think>
                       <answer> sum(x[:2]) </answer>
         feedback:     the same two lines, then "Passed 4/4"   (reward 1.0, done)
-        (after x[0]:  "Passed 1/4; failing: f([6, 1, 4]) = 7, got 6 ; f([3, 3]) = 6, got 3", reward 0.25)
+        (after x[0]:  "Passed 1/4; failing: f([6, 1, 4]) gave 6 ; f([3, 3]) gave 3", reward 0.25)
     """
     name = "code"
     reply_tokens = 64  # its expert replies run to about 35 tokens
@@ -818,7 +823,7 @@ class CodeExec(Env):
             except Exception:  # noqa: BLE001 -- any error inside the sandboxed program fails that test
                 got = "error"
             if got != want:
-                failing.append(f"f({x}) = {want}, got {str(got)[:30]}")
+                failing.append(f"f({x}) gave {str(got)[:30]}")  # not the expected value: the tests stay hidden
         before, self.passed = self.passed, 1 - len(failing) / len(self.tests)
         self.attempts += 1
         self.success = not failing

@@ -166,6 +166,11 @@ def test_step_reply():
     env = make_env("sokoban", format_penalty=-0.5)
     env.reset(0)
     assert step_reply(env, reply("t", "jump", "fly"))[1] == -0.5
+    env = make_env("bandit")  # a finished episode: any reply, malformed too, changes nothing and costs nothing
+    env.reset(0)
+    step_reply(env, reply("t", env.expert()[1]))
+    for late in ("no tags", reply("t", "jump"), reply("t", env.expert()[1])):
+        assert step_reply(env, late)[1:3] == (0.0, True)
     env = make_env("countdown", max_turns=2)  # countdown's own rule: an answer that does not parse earns 0
     env.reset(0)
     assert step_reply(env, reply("t", "1+", "2*"))[1] == 0.0 and step_reply(env, reply("t", "1+"))[1] == 0.0
@@ -247,12 +252,12 @@ def test_frozenlake_generic_think_changes_only_the_reasoning():
     ("frozenlake", {"slip": 2}, "slip is a probability"), ("frozenlake", {"p_hole": -0.1}, "p_hole is a probability"),
     ("frozenlake-mixed", {"unsolvable_frac": 1.5}, "unsolvable_frac is a probability"),
     ("frozenlake", {"slip": float("nan")}, "slip is a probability"), ("frozenlake", {"size": 1}, "size must be an integer in [2, 32]"),
-    ("frozenlake", {"size": 4.5}, "size must be an integer"), ("sokoban", {"size": 3}, "size must be an integer in [4, 32]"),
+    ("frozenlake", {"size": 4.5}, "size must be an integer"), ("sokoban", {"size": 4}, "size must be an integer in [5, 32]"),
     ("sokoban", {"inner_walls": 99}, "inner_walls must be in [0, 13]"), ("webshop", {"n_items": 0}, "n_items must be"), ("webshop", {"n_items": 61}, "in [1, 60]"),
     ("code", {"n_tests": 0}, "n_tests must be"), ("countdown", {"max_turns": 1.5}, "max_turns must be an integer in [1, 100]"),
     ("bandit", {"max_turns": 2}, "bandit is single-turn"), ("frozenlake", {"format_penalty": float("inf")}, "format_penalty must be a finite"),
     ("frozenlake", {"p_hole": 1, "unsolvable_frac": 0.1}, "unsolvable maps need"),
-    ("frozenlake", {"size": 3000}, "size must be an integer in [2, 32]"), ("sokoban", {"size": 33}, "in [4, 32]"),
+    ("frozenlake", {"size": 3000}, "size must be an integer in [2, 32]"), ("sokoban", {"size": 33}, "in [5, 32]"),
     ("code", {"n_tests": 10**8}, "n_tests must be an integer in [1, 100]"),
     ("frozenlake", {"max_turns": 10**9}, "max_turns must be an integer in [1, 100]"),
     ("frozenlake", {"max_turns": True}, "max_turns must be an integer"), ("code", {"n_tests": True}, "n_tests must be")])
@@ -434,7 +439,7 @@ def test_code_rewards():
     env.reset(0)
     env.tests = [([1, 2], 3), ([5], 5), ([0, 0, 4], 0), ([7, 1], 8)]
     assert env.step("x[0] + x[1]")[1:] == (0.75, False, {"valid": True, "success": False})
-    assert "failing: f([5]) = 5, got error" in env.render()
+    assert "failing: f([5]) gave error" in env.render()
     assert env.step("x.pop()")[1:] == (FORMAT_PENALTY, False, {"valid": False, "success": False})
     assert env.attempts == 1
     assert env.step("x[0]")[1] == pytest.approx(0.5 - 0.75)  # got worse: negative reward
@@ -444,6 +449,23 @@ def test_code_rewards():
     for _ in range(3):
         obs, reward, done, info = env.step("x")
     assert done and not info["success"] and "Passed 0/2" in obs
+
+
+def test_code_feedback_keeps_the_tests_hidden():
+    """The feedback names a failing test's input and what the expression gave, never the value it should give: else
+    a table of the answers seen (`7 if x == [6, 1, 4] else ...`) passes every test within a few attempts."""
+    env, solved = make_env("code", max_turns=5), 0
+    for seed in range(50):
+        obs, seen = env.reset(seed), {}
+        for _ in range(env.max_turns):
+            for x, y in re.findall(r"f\((.+?)\) = (-?\d+)", obs):  # every "f(input) = output" shown so far
+                seen[x] = y
+            table = " else ".join(f"{y} if x == {x}" for x, y in seen.items()) + " else 0"
+            obs, reward, done, info = env.step(table)
+            if done:
+                break
+        solved += info["success"]
+    assert solved <= 5  # only tasks whose hidden tests the example's answer (or the default 0) happens to pass
 
 
 # ---- the code sandbox cannot be escaped -------------------------------------------------------------------------
