@@ -619,7 +619,7 @@ class WebShop(Env):
         return "\n".join(lines)
 
     def _apply(self, action):
-        found = re.fullmatch(r"(search|click)\[(.*)\]", action, re.IGNORECASE | re.DOTALL)
+        found = re.fullmatch(r"(search|click)\[(.*)\]", action, re.IGNORECASE | re.ASCII | re.DOTALL)  # ASCII: no "ſearch"
         if found is None:
             return None
         verb, arg = found.group(1).lower(), found.group(2).strip().lower()

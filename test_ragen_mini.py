@@ -418,7 +418,8 @@ def test_webshop_rewards():
         obs = env.reset(seed)
         cap = int(re.search(r"under \$(\d+)", obs).group(1))
         want = env.target
-        for bad in ["click[buy]", "click[p00]", "search[]", "buy", "search[red", "click[back]"]:
+        for bad in ["click[buy]", "click[p00]", "search[]", "buy", "search[red", "click[back]",
+                    "\u017fearch[back to search]", "clic\u212a[back to search]"]:  # long s, Kelvin sign: not verbs
             assert env.step(bad)[1] == FORMAT_PENALTY, bad
         assert env.step("click[back to search]")[1] == 0.0
         obs = env.step(f"search[{want['type']}]")[0]
