@@ -251,7 +251,7 @@ def generate(model, chunks, max_new, temperature, stop, pad_id, state=None):
     reply + the environment's next message). state: (cache, attention [B, T], last position [B]) from the
     previous turn, rows matching chunks, or None. Chunks are left-padded; padding is masked out and positions
     come from the mask, so the cache may hold holes. -> (new token lists, their log-probs at this temperature,
-    state). stop: the id(s) that end a turn. Each token list ends at (and includes) a stop id, or is max_new long
+    state, unfed: per sequence, whether its last token is still outside the cache). stop: the id(s) that end a turn. Each token list ends at (and includes) a stop id, or is max_new long
     when the turn was cut."""
     dev, B, T = model.device, len(chunks), max(len(c) for c in chunks)
     stop = torch.tensor(stop if isinstance(stop, (list, tuple)) else [stop], device=dev)
@@ -334,9 +334,10 @@ def filter_groups(returns, mode="snr", p=0.9, k=0.25, score="std", include_zero=
     """SNR-aware filter (README step 4). returns [P, G] -> sorted list of kept group indices.
     snr: sort groups by reward spread, keep the shortest prefix whose spread reaches p of the total minus 0.01 (the
     reference code's tolerance; p >= 1 keeps all); topk: keep the int(k * P) groups with the largest spread (at
-    least 1). Zero-spread groups are then dropped unless include_zero (snr with p < 1 never keeps one: the prefix
-    is full before them). An empty list means: skip this update. The 0.01 is in the score's units: under var (squared
-    units) a batch whose group variances sum to under 0.011, e.g. only single format errors, keeps nothing."""
+    least 1); none: every group, include_zero or not. Zero-spread groups are then dropped unless include_zero (snr
+    with p < 1 never keeps one: the prefix is full before them). An empty list means: skip this update. The 0.01 is
+    in the score's units: under var (squared units) a batch whose group variances sum to under 0.011, e.g. only
+    single format errors, keeps nothing."""
     s = returns.std(1) if score == "std" else returns.var(1)  # unbiased, over the G samples of a group
     s = torch.nan_to_num(s, 0.0)  # group_size 1 has no spread
     order = torch.argsort(s, descending=True, stable=True).tolist()
