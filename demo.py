@@ -52,7 +52,7 @@ def demo_dir(cfg):
     """runs/demo-s<seed>, or runs/demo-s<seed>-<hash of the changes> when flags changed the set-up."""
     changed = changes(cfg)
     tag = "-" + hashlib.sha1(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:6] if changed else ""
-    return os.path.join(cfg.out, f"demo-s{cfg.seed}{tag}")
+    return os.path.join(os.path.expanduser(cfg.out), f"demo-s{cfg.seed}{tag}")
 
 
 def rows_of(out):
@@ -189,8 +189,8 @@ def plot_runs(cfg):
         print(f"| {run} | {len(rows)} | {statistics.fmean(r['success'] for r in rows[-10:]):.3f} | {float('nan') if start[run] is None else start[run]:.3f} -> {s['eval_success']:.3f} | "
               f"{s['token_entropy']:.3f} | {s['think_len']:.1f} | {s['seq_rep4']:.3f} | {s['mi']:.3f} | {s['retrieval']:.3f} ({s['retrieval_chance']:.3f}) | "
               f"{s['kept']:.3f} | {s['skipped']} | {s['alarm']} |")
-    os.makedirs(cfg.out, exist_ok=True)
-    path = os.path.join(cfg.out, "plot.png")
+    os.makedirs(os.path.expanduser(cfg.out), exist_ok=True)
+    path = os.path.join(os.path.expanduser(cfg.out), "plot.png")
     if plot(runs, path, start, eval_temperature=None):
         print(f"figure: {path}")
 

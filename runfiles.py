@@ -21,6 +21,15 @@ def flag_problem(cfg):
     """The first thing wrong with a run's settings, as one message for the command line; None when all is well.
     Checked before any work starts: --env-args (one reset and one expert step), each flag's range (every flag that
     breaks a rule is named), the model folder, the control run's log, the device."""
+    try:  # the checks run before one_line_errors: a value no check foresaw still gets one line, not a traceback
+        return settings_problem(cfg)
+    except Exception as e:
+        if os.environ.get("RAGEN_MINI_TRACEBACK"):
+            raise
+        return f"{e.__class__.__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+
+
+def settings_problem(cfg):
     try:
         assert isinstance(json.loads(cfg.env_args), dict)
     except (ValueError, AssertionError, RecursionError):  # RecursionError: nested thousands deep
@@ -32,8 +41,8 @@ def flag_problem(cfg):
         env = envs.make_env(cfg.env, **{"max_turns": turns, **args})  # as ragen_mini.make_env builds it
         env.reset(0)
         env.step(env.expert()[1])
-    except (TypeError, ValueError, IndexError) as e:
-        given = " with ".join(([f"--env-args {cfg.env_args}"] if args else []) + ([f"--max-turns {cfg.max_turns}"] if turns else []))
+    except (TypeError, ValueError, IndexError, OverflowError) as e:  # Overflow: a 400-digit number as a float
+        given = " with ".join(([f"--env-args {cfg.env_args[:80] + '...' * (len(cfg.env_args) > 80)}"] if args else []) + ([f"--max-turns {cfg.max_turns}"] if turns else []))
         return f"{given} {'do' if args else 'does'} not fit env {cfg.env!r}: {e}"
     ones = ("groups", "micro_batch", "ppo_epochs", "max_actions", "diag_every", "eval_every", "eval_episodes",
             "save_every", "tiny_layers")
@@ -122,7 +131,7 @@ def logged(run):
     """A run's log rows, [] when it has none with a step, or the exception that reading it raised."""
     try:
         rows = read_log(os.path.join(run, "log.jsonl"))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
         return e
     return rows if all(isinstance(r, dict) and "step" in r for r in rows) else ValueError("rows without a step")
 
@@ -144,7 +153,7 @@ def run_dir(cfg):
     default = defaults(cfg)
     changed = {k: v for k, v in run_key(cfg).items() if v != default.get(k)}
     tag = hashlib.sha1(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:6]
-    return os.path.join(cfg.out, cfg.name or f"{cfg.env}-{cfg.filter}-s{cfg.seed}-{tag}")
+    return os.path.join(os.path.expanduser(cfg.out), cfg.name or f"{cfg.env}-{cfg.filter}-s{cfg.seed}-{tag}")
 
 
 @contextlib.contextmanager
@@ -172,6 +181,8 @@ def read_log(path):
     A null (write_log's non-finite number) is read back as NaN."""
     if not os.path.exists(path):
         return []
+    if not os.path.isfile(path):  # a folder, a FIFO (reading one would block), a device
+        raise ValueError(f"{path} is not a file")
     with open(path) as f:
         rows = [json.loads(l) for l in f if l.endswith("\n")]
     return [{k: math.nan if v is None else v for k, v in r.items()} if isinstance(r, dict) else r for r in rows]
@@ -249,13 +260,13 @@ def kept_fractions(path, steps=None):
     try:
         rows = [json.loads(l) for l in lines]
         scales = {r["step"]: 0.0 if r.get("skipped") else float(r["kept_frac"]) for r in rows}
-    except (ValueError, KeyError, TypeError):  # not JSON, a row that is no dict, a key missing
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError):  # not JSON, not a dict, a key missing, ...
         scales = {}
     if not scales:
         raise ValueError(f"{path} is not a run's log.jsonl (one JSON row per step, with step and kept_frac)")
     if not all(0 <= v <= 1 for v in scales.values()):  # NaN fails too: a scale is a fraction of the groups
         raise ValueError(f"{path} has a kept_frac outside [0, 1]: not a run's log")
-    if steps is not None and not set(range(steps)) <= set(scales):
+    if steps is not None and (steps > len(scales) or any(s not in scales for s in range(steps))):  # no set(range(1e12))
         raise ValueError(f"{path} holds the kept fractions of {len(scales)} steps, not of all {steps}: has its run ended?")
     return scales
 

@@ -735,6 +735,23 @@ def test_kept_fractions_read_a_log_or_refuse_it(tmp_path):
         (tmp_path / "odd").write_text('{"step": 0, "kept_frac": %s}\n' % v)
         with pytest.raises(ValueError, match="kept_frac outside"):
             runfiles.kept_fractions(tmp_path / "odd")
+    for text in ('{"step": 0, "kept_frac": 1%s}\n' % ("0" * 400), "[" * 100_000 + "]" * 100_000 + "\n"):
+        (tmp_path / "odd").write_text(text)  # float() overflows; json.loads recurses too deep: neither a traceback
+        with pytest.raises(ValueError, match="is not a run's log.jsonl"):
+            runfiles.kept_fractions(tmp_path / "odd")
+    with pytest.raises(ValueError, match="not of all 10000000000000"):  # at once: no set of 10**13 step numbers
+        runfiles.kept_fractions(good, steps=10**13)
+
+
+def test_read_log_refuses_what_is_not_a_file(tmp_path):
+    """--plot on a folder whose log.jsonl is a FIFO blocked for ever; JSON nested too deep is a refusal, not a crash."""
+    os.makedirs(tmp_path / "run" / "log.jsonl")
+    with pytest.raises(ValueError, match="is not a file"):
+        runfiles.read_log(str(tmp_path / "run" / "log.jsonl"))
+    assert isinstance(runfiles.logged(str(tmp_path / "run")), ValueError)
+    os.makedirs(tmp_path / "deep")
+    (tmp_path / "deep" / "log.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    assert isinstance(runfiles.logged(str(tmp_path / "deep")), RecursionError)
 
 
 def test_sign_test_closed_form():
@@ -1645,6 +1662,27 @@ def test_flag_rules(change, message):
     assert message in runfiles.flag_problem(rm.Config(**change))
 
 
+def test_flag_values_no_check_foresaw_get_one_line(monkeypatch, capsys):
+    """The flags are checked before one_line_errors: a 400-digit number (float() overflows) gave a traceback, and
+    any error the checks raise is one line naming it."""
+    huge = '{"format_penalty": 1%s}' % ("0" * 400)
+    message = runfiles.flag_problem(rm.Config(env_args=huge))
+    assert "do not fit env 'frozenlake': int too large to convert to float" in message and len(message) < 200
+    monkeypatch.setattr(runfiles, "settings_problem", lambda cfg: 1 / 0)
+    assert runfiles.flag_problem(rm.Config()) == "ZeroDivisionError: division by zero"
+    with pytest.raises(SystemExit):
+        rm.parse_args([])
+    assert "error: ZeroDivisionError: division by zero" in capsys.readouterr().err
+
+
+def test_out_takes_a_tilde(monkeypatch, tmp_path):
+    """--out=~/runs (the shell leaves a ~ after = alone) made a folder named ~ in the working directory."""
+    import demo
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert runfiles.run_dir(rm.Config(out="~/runs")).startswith(str(tmp_path / "runs") + os.sep)
+    assert demo.demo_dir(rm.Config(out="~/runs")).startswith(str(tmp_path / "runs") + os.sep)
+
+
 def test_every_setting_of_a_run_names_its_folder():
     """A run folder is resumed only by the settings that made it: each key of run_key changes the folder's name."""
     base, plumbing = rm.Config(), {"demo", "bench", "plot", "device", "steps", "cache_dir", "save_every"}  # how, how long, where
@@ -2235,6 +2273,9 @@ def test_an_edited_env_gets_its_own_warm_start(monkeypatch):
     cfg, soko = rm.parse_args([]), rm.parse_args(["--env", "sokoban"])
     path, soko_path = tiny.cache_path(cfg), tiny.cache_path(soko)
     assert tiny.cache_path(rm.parse_args(["--env-args", '{"format_penalty": -0.5}'])) == path
+    if not torch.cuda.is_available():  # a GPU's warm start has other weights: its own folder; a CPU's keeps its key
+        assert tiny.cache_path(dataclasses.replace(cfg, device="cuda")) != path
+        assert tiny.cache_path(dataclasses.replace(cfg, device="cpu")) == path
     edits = [(envs.FrozenLake, "expert", lambda real: lambda self: (real(self)[0] + " !", real(self)[1])),
              (envs.FrozenLake, "render", lambda real: lambda self: real(self).replace("O", "H"))]
     for cls, name, edit in edits:

@@ -47,6 +47,9 @@ def cache_path(cfg):
     """CACHE_DIR/tiny-<hash>: the settings that shape the warm start, and the text of a few expert conversations, so
     that an env whose observations, expert, rewards or turns were edited builds a new warm start, not loads the old."""
     key = {k: getattr(cfg, k) for k in ("env", "max_turns", "tiny_dim", "tiny_layers", "warmup_steps", "warmup_lr")}
+    device = rm.pick_device(cfg.device).type
+    if device != "cpu":  # a GPU builds other weights (its rounding); runs on a CPU keep the key they had
+        key["device"] = device
     key |= {"version": 5, "env_args": json.dumps({k: v for k, v in json.loads(cfg.env_args).items()
                                                   if k != "format_penalty"}, sort_keys=True)}  # the expert's actions are all valid
     env = rm.make_env(cfg)
