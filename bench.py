@@ -11,10 +11,11 @@ micro-batches, the LM head on the agent's tokens only): what the GRPO terms and 
 the update time with --filter none vs snr (or --filter's rule) on the same rollouts, and peak memory.
 Run it alone: two CPU-heavy processes on 2 cores slow torch many times over.
 """
-import copy, dataclasses, random, resource, statistics, time
+import copy, dataclasses, random, resource, statistics, sys, time
 
 import torch
 import torch.nn.functional as F
+from transformers import GenerationConfig
 
 import envs
 import ragen_mini as rm
@@ -64,16 +65,19 @@ class Clock:
         self.t[kind + "_tok"] += int(kwargs["attention_mask"][:, -ids.shape[1]:].sum()) if "attention_mask" in kwargs else ids.numel()
 
 
-def sync():
+def sync():  # a GPU runs its kernels queued: wait for them before reading the clock
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    elif torch.backends.mps.is_available():
+        torch.mps.synchronize()
 
 
 def peak_memory(device):
-    """Peak so far, GB: what torch allocated on the GPU, or the process's resident set on the CPU."""
+    """Peak so far, GB: what torch allocated on the GPU, or the process's resident set elsewhere (on a Mac's mps
+    too: its GPU memory is not counted)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)  # bytes on macOS
 
 
 def turns_of(e):
@@ -88,9 +92,11 @@ def turns_of(e):
 
 @rm.amp  # in bf16 on a GPU, as the loop's own generation runs
 @torch.no_grad()
-def hf_generate_time(model, tok, eps):
-    """Pure generation cost: `model.generate` per turn, same contexts and same number of new tokens."""
-    total, by_turn = 0.0, {}
+def hf_generate_time(model, tok, eps, temperature):
+    """Pure generation cost: `model.generate` per turn, same contexts and same number of new tokens, sampling at the
+    loop's temperature and nothing else (none of a hub model's own generation settings: a repetition penalty, top-p)."""
+    model.eval()  # as the rollout runs
+    total, by_turn, eos = 0.0, {}, model.generation_config.eos_token_id
     for e in eps:
         for k, (start, n) in enumerate(turns_of(e)):
             by_turn.setdefault(k, []).append((e["ids"][:start], n))
@@ -99,10 +105,14 @@ def hf_generate_time(model, tok, eps):
         T = max(len(c) for c in ctx)
         ids = torch.tensor([[tok.pad_token_id] * (T - len(c)) + c for c in ctx], device=model.device)
         attn = torch.tensor([[0] * (T - len(c)) + [1] * len(c) for c in ctx], device=model.device)
-        sync(); t0 = time.perf_counter()
-        model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=n, min_new_tokens=n, do_sample=True,
-                       temperature=1.0, top_k=0, top_p=1.0, pad_token_id=tok.pad_token_id)
-        sync(); total += time.perf_counter() - t0
+        own, model.generation_config = model.generation_config, GenerationConfig(eos_token_id=eos)  # generate() fills
+        try:  # what a config leaves unset from the model's own: a fresh one, so only these settings act
+            sync(); t0 = time.perf_counter()
+            model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=n, min_new_tokens=n, do_sample=True,
+                           temperature=temperature, top_k=0, top_p=1.0, pad_token_id=tok.pad_token_id)
+            sync(); total += time.perf_counter() - t0
+        finally:
+            model.generation_config = own
     return total
 
 
@@ -145,14 +155,14 @@ def main(cfg, iters=4):
           f"diagnostics every {cfg.diag_every} steps (amortised), {torch.get_num_threads()} threads")
     rows, peak_loop, peak_all = [], 0.0, 0.0
     for it in range(iters + 1):  # iteration 0 warms up allocators and caches; not reported
-        torch.manual_seed(it)
+        torch.manual_seed(cfg.seed * 10**6 + it)  # seed 0: the figures of earlier code
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         clock.t = dict.fromkeys(clock.t, 0)
         clock.on = True
         t0 = time.perf_counter()
         model.eval()
-        eps = rm.rollout(model, tok, cfg, [it * 1000 + g for g in range(P)], G, cfg.temperature)
+        eps = rm.rollout(model, tok, cfg, [cfg.seed * 10**6 + it * 1000 + g for g in range(P)], G, cfg.temperature)
         t_roll = time.perf_counter() - t0
         R = torch.tensor([e["ret"] for e in eps]).view(P, G)
         seqs = [(e["ids"], e["mask"], e["logp"]) for e in eps]
@@ -173,13 +183,14 @@ def main(cfg, iters=4):
             if idx:
                 rm.update(m2, ref, o2, [seqs[i] for i in idx], adv[idx], cfg)
             sync(); times[mode] = time.perf_counter() - t2
+            del m2, o2  # on a GPU the next copy would otherwise sit beside this one: a peak the loop never has
         t_update = times["none" if cfg.filter == "none" else "snr"]
         t_iter = t_roll + t_diag + t_update
         if device.type == "cuda" or it == 0:  # the CPU's resident-set peak cannot be reset: its first iteration's
             peak_loop = max(peak_loop, peak_memory(device))  # ... before the reference steps, which pad the whole batch
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        t_gen = hf_generate_time(model, tok, eps)
+        t_gen = hf_generate_time(model, tok, eps, cfg.temperature)
         trained = seqs if cfg.filter == "none" else [seqs[g * G + i] for g in kept for i in range(G)]
         t_plain = plain_step_time(model, trained, cfg) if trained else 0.0  # nothing kept: no update to compare
         t_own = plain_step_time(model, trained, cfg, own_kernels=True) if trained else 0.0

@@ -2080,6 +2080,23 @@ def test_bench_code_path_prints_its_figures(tmp_path):
     assert 0 < loop <= total, r.stdout[-3000:]  # the loop's own peak, apart from the padded whole-batch reference step
 
 
+def test_bench_generate_baseline_samples_as_the_loop(monkeypatch):
+    """The overhead ratio's `model.generate`: in eval mode, at the loop's temperature, with none of a hub model's own
+    generation settings (a repetition penalty is work the loop never does), exactly each turn's new tokens."""
+    import bench
+    model, seen = tiny_llama().train(), []
+    model.generation_config.repetition_penalty = 1.3
+    real = model.generate
+    def spy(**kw):
+        out = real(**kw)
+        seen.append((model.training, kw["temperature"], model.generation_config.repetition_penalty, out.shape[1] - kw["input_ids"].shape[1]))
+        return out
+    monkeypatch.setattr(model, "generate", spy)
+    eps = [{"ids": [1, 2, 3, 4, 5, 6, 7], "mask": [0, 0, 1, 1, 1, 0, 1]}]  # two turns: 3 tokens after 2, 1 after 6
+    bench.hf_generate_time(model, SimpleNamespace(pad_token_id=0), eps, 0.7)
+    assert seen == [(False, 0.7, None, 3), (False, 0.7, None, 1)] and model.generation_config.repetition_penalty == 1.3
+
+
 def test_bench_says_when_the_filter_keeps_nothing(tmp_path, monkeypatch, capsys):
     """A batch whose groups all have equal rewards (a real model failing every map): the snr update is skipped, and
     the benchmark says so rather than "100% shorter"."""
