@@ -375,3 +375,6 @@ def main(cfg):
     png = plot(runs, os.path.join(out, "demo.png"), dict.fromkeys(runs, eval_start), base.eval_temperature)
     print("\n" + report)
     print(f"\ndemo finished in {time.time() - t0:.0f}s; written to {out}/" + (" (table.md, demo.png)" if png else " (table.md)"))
+    if not png:  # said again here, where it is seen: the report above scrolled the first word away
+        print(f"no figure: pip install matplotlib and rerun the same command (nothing retrains), or plot step against "
+              f"eval_success, token_entropy, mi, retrieval, gn_*_b* from {out}/{{a_no_filter,b_snr_filter,c_control}}/log.jsonl")
