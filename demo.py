@@ -189,8 +189,9 @@ def plot_runs(cfg):
         print(f"| {run} | {len(rows)} | {statistics.fmean(r['success'] for r in rows[-10:]):.3f} | {float('nan') if start[run] is None else start[run]:.3f} -> {s['eval_success']:.3f} | "
               f"{s['token_entropy']:.3f} | {s['think_len']:.1f} | {s['seq_rep4']:.3f} | {s['mi']:.3f} | {s['retrieval']:.3f} ({s['retrieval_chance']:.3f}) | "
               f"{s['kept']:.3f} | {s['skipped']} | {s['alarm']} |")
-    os.makedirs(os.path.expanduser(cfg.out), exist_ok=True)
-    path = os.path.join(os.path.expanduser(cfg.out), "plot.png")
+    out = os.path.expanduser(cfg.out)
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "plot.png")
     if plot(runs, path, start, eval_temperature=None):
         print(f"figure: {path}")
 

@@ -251,8 +251,8 @@ def generate(model, chunks, max_new, temperature, stop, pad_id, state=None):
     reply + the environment's next message). state: (cache, attention [B, T], last position [B]) from the
     previous turn, rows matching chunks, or None. Chunks are left-padded; padding is masked out and positions
     come from the mask, so the cache may hold holes. -> (new token lists, their log-probs at this temperature,
-    state, unfed: per sequence, whether its last token is still outside the cache). stop: the id(s) that end a turn. Each token list ends at (and includes) a stop id, or is max_new long
-    when the turn was cut."""
+    state, unfed: per sequence, whether its last token is still outside the cache). stop: the id(s) that end a turn.
+    Each token list ends at (and includes) a stop id, or is max_new long when the turn was cut."""
     dev, B, T = model.device, len(chunks), max(len(c) for c in chunks)
     stop = torch.tensor(stop if isinstance(stop, (list, tuple)) else [stop], device=dev)
     ids = torch.tensor([[pad_id] * (T - len(c)) + c for c in chunks], device=dev)  # [B, T]

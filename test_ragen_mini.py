@@ -749,6 +749,10 @@ def test_read_log_refuses_what_is_not_a_file(tmp_path):
     with pytest.raises(ValueError, match="is not a file"):
         runfiles.read_log(str(tmp_path / "run" / "log.jsonl"))
     assert isinstance(runfiles.logged(str(tmp_path / "run")), ValueError)
+    if hasattr(os, "mkfifo"):
+        os.makedirs(tmp_path / "fifo")
+        os.mkfifo(tmp_path / "fifo" / "log.jsonl")
+        assert isinstance(runfiles.logged(str(tmp_path / "fifo")), ValueError)  # at once, not blocked
     os.makedirs(tmp_path / "deep")
     (tmp_path / "deep" / "log.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
     assert isinstance(runfiles.logged(str(tmp_path / "deep")), RecursionError)
