@@ -131,9 +131,9 @@ def logged(run):
     """A run's log rows, [] when it has none with a step, or the exception that reading it raised."""
     try:
         rows = read_log(os.path.join(run, "log.jsonl"))
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested thousands deep
+    except (OSError, ValueError) as e:
         return e
-    return rows if all(isinstance(r, dict) and "step" in r for r in rows) else ValueError("rows without a step")
+    return rows if all("step" in r for r in rows) else ValueError("rows without a step")
 
 
 def run_key(cfg):
@@ -178,14 +178,20 @@ def locked(out, wait=False):
 
 def read_log(path):
     """The rows of a run's JSONL log ([] if there is none yet); a last line cut mid-write by an interrupt is left out.
-    A null (write_log's non-finite number) is read back as NaN."""
+    A null (write_log's non-finite number) is read back as NaN. A line that is not a JSON object: ValueError naming it."""
     if not os.path.exists(path):
         return []
     if not os.path.isfile(path):  # a folder, a FIFO (reading one would block), a device
         raise ValueError(f"{path} is not a file")
+    rows = []
     with open(path) as f:
-        rows = [json.loads(l) for l in f if l.endswith("\n")]
-    return [{k: math.nan if v is None else v for k, v in r.items()} if isinstance(r, dict) else r for r in rows]
+        for n, line in enumerate((l for l in f if l.endswith("\n")), 1):
+            try:
+                rows.append(json.loads(line))
+                assert isinstance(rows[-1], dict)
+            except (ValueError, AssertionError, RecursionError):  # edited by hand: name the line, not json's message
+                raise ValueError(f"{path}, line {n}, is not a log row (a JSON object): fix or remove that line") from None
+    return [{k: math.nan if v is None else v for k, v in r.items()} for r in rows]
 
 
 def write_log(path, rows, mode="a"):
@@ -222,6 +228,10 @@ def resume(cfg, out, device):
         assert c is None or isinstance(c, dict) and isinstance(c.get("step"), int)
     except Exception as e:  # garbage, cut short, not ours: say which file, not a pickle traceback
         raise FileExistsError(f"{ckpt} is unreadable ({e.__class__.__name__}): {remedy}") from None
+    rows = read_log(log) if c is not None else []  # a fresh start removes the log: only a resume reads it
+    bad = next((n for n, r in enumerate(rows, 1) if type(r.get("step")) is not int), None)
+    if bad:  # a row edited by hand: say which (a KeyError 'step' said nothing)
+        raise ValueError(f"{log}, line {bad}, has no step number: fix or remove that line to resume")
     with open(cfg_path + ".tmp", "w") as f:
         json.dump(asdict(cfg), f, indent=1)
     os.replace(cfg_path + ".tmp", cfg_path)  # atomic: a kill mid-write never leaves a half file that blocks the resume
@@ -231,7 +241,7 @@ def resume(cfg, out, device):
         if os.path.exists(log):
             os.remove(log)
         return None
-    write_log(log + ".tmp", [r for r in read_log(log) if r["step"] < c["step"]], "w")  # drop rows after the checkpoint
+    write_log(log + ".tmp", [r for r in rows if r["step"] < c["step"]], "w")  # drop rows after the checkpoint
     os.replace(log + ".tmp", log)  # atomic: a kill during the rewrite keeps the old log
     return c
 
@@ -307,7 +317,7 @@ def finish(cfg, out, model, tok, state, quiet=False):
     pairs = list(zip(state.get("maps0", []), state.get("maps", [])))  # the same held-out maps, before and after
     gained, lost = sum(b and not a for a, b in pairs), sum(a and not b for a, b in pairs)
     summary = dict(out=out, eval_start=state["eval0"], eval_final=final, alarm=state["alarm"], steps=len(rows),
-                   skipped=sum(r.get("skipped", 0) for r in rows), sec=sum(r["sec"] for r in rows),
+                   skipped=sum(r.get("skipped", 0) for r in rows), sec=sum(r.get("sec", 0.0) for r in rows),
                    gained=gained, lost=lost, p_sign=metrics.sign_test(gained, lost))
     if not quiet:
         paired = f" (of the same {len(pairs)} held-out tasks, {gained} newly solved and {lost} newly failed: sign test p = {summary['p_sign']:.2g})"

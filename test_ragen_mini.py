@@ -755,7 +755,7 @@ def test_read_log_refuses_what_is_not_a_file(tmp_path):
         assert isinstance(runfiles.logged(str(tmp_path / "fifo")), ValueError)  # at once, not blocked
     os.makedirs(tmp_path / "deep")
     (tmp_path / "deep" / "log.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
-    assert isinstance(runfiles.logged(str(tmp_path / "deep")), RecursionError)
+    assert "line 1, is not a log row" in str(runfiles.logged(str(tmp_path / "deep")))  # a ValueError
 
 
 def test_sign_test_closed_form():
@@ -1641,6 +1641,28 @@ def test_resume_drops_the_log_rows_after_its_checkpoint(tmp_path):
     runfiles.save_ckpt(os.path.join(out, "ckpt.pt"), step=3)
     assert runfiles.resume(cfg, out, "cpu")["step"] == 3
     assert [r["step"] for r in runfiles.read_log(os.path.join(out, "log.jsonl"))] == [0, 1, 2]  # step 3 reruns
+
+
+def test_resume_names_a_log_line_edited_by_hand(tmp_path):
+    """A log row without a step (or a line that is no JSON row) stopped a resume with "KeyError: 'step'" or json's
+    own message: now one line naming the file and the line, before anything in the folder is written."""
+    cfg = rm.parse_args(["--out", str(tmp_path)])
+    out, log = runfiles.run_dir(cfg), os.path.join(runfiles.run_dir(cfg), "log.jsonl")
+    os.makedirs(out)
+    runfiles.resume(cfg, out, "cpu")
+    runfiles.save_ckpt(os.path.join(out, "ckpt.pt"), step=3)
+    good = [{"step": k, "success": 0.5} for k in range(3)]
+    for line, message in [('{"success": 0.5}', "line 2, has no step number"), ('{"step": "1"}', "line 2, has no step number"),
+                          ("# a note", "line 2, is not a log row"), ("[1, 2]", "line 2, is not a log row"), ("", "line 2, is not a log row")]:
+        text = json.dumps(good[0]) + "\n" + line + "\n" + json.dumps(good[2]) + "\n"
+        with open(log, "w") as f:
+            f.write(text)
+        with pytest.raises(ValueError, match=re.escape(log) + ", " + message):
+            runfiles.resume(cfg, out, "cpu")
+        with open(log) as f:
+            assert f.read() == text  # left as it was
+    runfiles.write_log(log, good, "w")
+    assert runfiles.resume(cfg, out, "cpu")["step"] == 3 and runfiles.read_log(log) == good
 
 
 @pytest.mark.parametrize("change, message", [
