@@ -282,7 +282,10 @@ def kept_fractions(path, steps=None):
 
 
 def save_ckpt(path, **state):
-    torch.save(state, path + ".tmp")
+    with open(path + ".tmp", "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename: after a power cut the name never points at an empty file
     os.replace(path + ".tmp", path)  # atomic: an interrupted save never corrupts the last checkpoint
 
 

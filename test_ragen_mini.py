@@ -1643,6 +1643,17 @@ def test_resume_drops_the_log_rows_after_its_checkpoint(tmp_path):
     assert [r["step"] for r in runfiles.read_log(os.path.join(out, "log.jsonl"))] == [0, 1, 2]  # step 3 reruns
 
 
+def test_save_ckpt_is_on_disk_before_its_rename(tmp_path, monkeypatch):
+    """A checkpoint is fsynced before it replaces the last one: a rename can reach the disk before the data, and a
+    power cut would then leave ckpt.pt empty, the run lost (resume refuses an unreadable checkpoint)."""
+    seen, rename = [], os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: seen.append(("fsync", os.fstat(fd).st_size)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (seen.append(("replace", os.path.basename(b))), rename(a, b)))
+    runfiles.save_ckpt(str(tmp_path / "ckpt.pt"), step=3, w=torch.ones(1000))
+    assert [k for k, _ in seen] == ["fsync", "replace"] and seen[0][1] > 4000 and seen[1][1] == "ckpt.pt"
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["step"] == 3
+
+
 def test_resume_names_a_log_line_edited_by_hand(tmp_path):
     """A log row without a step (or a line that is no JSON row) stopped a resume with "KeyError: 'step'" or json's
     own message: now one line naming the file and the line, before anything in the folder is written."""
