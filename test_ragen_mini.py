@@ -433,6 +433,19 @@ def test_webshop_rewards():
         _, reward, done, info = env.step("click[buy]")
         expected = (kind == want["type"]) + (color == want["color"]) + (size == want["size"]) + (int(price) < cap)
         assert done and reward == expected / 4 and info["success"] == (expected == 4)
+    # each attribute counts a quarter (the searches above only ever buy the right type): type, colour, size, and a
+    # price strictly under the cap; only the target item itself is a success
+    env.reset(0)
+    want, other = env.target, lambda key, opts: next(o for o in opts if o != env.target[key])
+    for change, reward in [({}, 1.0), ({"type": other("type", envs.TYPES)}, 0.75), ({"color": other("color", envs.COLORS)}, 0.75),
+                           ({"size": other("size", envs.SIZES)}, 0.75), ({"price": env.cap}, 0.75), ({"price": env.cap - 1}, 1.0),
+                           ({"type": other("type", envs.TYPES), "price": env.cap + 9}, 0.5)]:
+        env.reset(0)
+        env.page, env.item = "item", dict(want, id="p99", **change)
+        assert env.step("click[buy]")[1:] == (reward, True, {"valid": True, "success": False}), change
+    env.reset(0)
+    env.page, env.item = "item", env.target
+    assert env.step("click[buy]")[1:] == (1.0, True, {"valid": True, "success": True})
 
 
 def test_code_rewards():
@@ -664,6 +677,11 @@ def test_mi_partial_tie_credit():
     assert mi_metrics(L, torch.tensor([1]), list("abcd"))["retrieval_acc"] == pytest.approx(1 / 3)
     L = torch.tensor([[-5.0, -5.0 + 1e-7, -5.0, -6.0]], dtype=torch.float64)  # float noise is a tie, not a winner
     assert mi_metrics(L, torch.tensor([0]), list("abcd"))["retrieval_acc"] == pytest.approx(1 / 3)
+    # the tolerance is relative to the row's size: an L_sum row in the hundreds carries float32 noise near 1e-4
+    L = torch.tensor([[-500.0, -500.0 + 1e-4, -500.0, -600.0]], dtype=torch.float64)
+    assert mi_metrics(L, torch.tensor([0]), list("abcd"))["retrieval_acc"] == pytest.approx(1 / 3)
+    L = torch.tensor([[-500.0, -500.0 + 1e-2, -500.0, -600.0]], dtype=torch.float64)  # beyond it: a real winner
+    assert mi_metrics(L, torch.tensor([0]), list("abcd"))["retrieval_acc"] == 0.0
 
 
 # ---------------------------------------------------------------- ZScoreEMA
@@ -911,10 +929,13 @@ def test_cross_score_prefix_path_matches_plain_path():
     assert (new["L_sum"][2] == 0).all()
 
 
-def test_cross_score_restores_train_mode():
-    model = tiny_llama().train()
-    cross_score(model, [[3, 1]], [[4, 5]], pad_id=0)
-    assert model.training
+def test_cross_score_scores_in_eval_mode_and_restores_train_mode():
+    """Every forward of the scoring runs in eval mode (no dropout: the policy as it samples), and the caller's train
+    mode comes back after."""
+    model, modes = tiny_llama().train(), []
+    model.register_forward_pre_hook(lambda m, args: modes.append(m.training))
+    cross_score(model, [[3, 1], [2, 1]], [[4, 5], [6]], pad_id=0)
+    assert modes and not any(modes) and model.training
 
 
 class Bigram(torch.nn.Module):
@@ -999,6 +1020,9 @@ def test_filter_keeps_nothing_when_no_group_has_spread():
     # spread too small for the 0.01 tolerance: p * total - 0.01 <= 0 is reached by the empty prefix (reference code)
     tiny_spread = torch.tensor([[-0.1] + [0.0] * 7, [0.0] * 8])  # variance 0.00125
     assert rm.filter_groups(tiny_spread, "snr", score="var") == [] and rm.filter_groups(tiny_spread, "snr") == [0]
+    # the spread is the unbiased std over the G samples (as the reference): [0, 0.02] has std 0.0141, over the 0.01
+    # tolerance (p * 0.0141 - 0.01 > 0: kept); the population std, 0.01, would keep nothing
+    assert rm.filter_groups(torch.tensor([[0.0, 0.02]]), "snr", p=0.9) == [0]
 
 
 def test_chat_prompts_do_not_carry_todays_date(tiny):
