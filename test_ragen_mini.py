@@ -480,6 +480,12 @@ def test_code_feedback_keeps_the_tests_hidden():
                 break
         solved += info["success"]
     assert solved <= 5  # only tasks whose hidden tests the example's answer (or the default 0) happens to pass
+    for seed in range(10):  # the feedback exactly: two failing inputs and what the expression gave, nothing expected
+        env.reset(seed)
+        fails = [x for x, y in env.tests if y != 0]
+        env.step("0")
+        assert env.feedback == f"\nPassed {len(env.tests) - len(fails)}/{len(env.tests)}" + \
+            ("; failing: " + " ; ".join(f"f({x}) gave 0" for x in fails[:2]) if fails else "")
 
 
 # ---- the code sandbox cannot be escaped -------------------------------------------------------------------------
@@ -1465,8 +1471,9 @@ def test_the_loop_trains_on_the_kept_groups_with_the_controls_scales(tmp_path, m
     group-relative advantages, and in a control run the regulariser scale read from the other run's log."""
     scales = tmp_path / "b.jsonl"
     runfiles.write_log(str(scales), [{"step": 0, "kept_frac": 0.25}, {"step": 1, "kept_frac": 0.5}])
-    cfg = rm.parse_args(SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--reg-scale-from", str(scales)])
-    calls, rollouts = [], []
+    cfg = rm.parse_args(SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--reg-scale-from", str(scales),
+                                 "--filter", "topk", "--filter-p", "0.5", "--filter-k", "0.75", "--filter-score", "var", "--no-include-zero"])
+    calls, rollouts, filtered = [], [], []
     real_rollout, real_update = rm.rollout, rm.update
     def rollout(model, tok, cfg, seeds, group_size, temperature):  # returns that spread: advantages of 0 pass any check
         eps = spread_returns(real_rollout)(model, tok, cfg, seeds, group_size, temperature)
@@ -1477,11 +1484,13 @@ def test_the_loop_trains_on_the_kept_groups_with_the_controls_scales(tmp_path, m
         return real_update(model, ref, opt, seqs, adv, cfg, reg_scale)
     monkeypatch.setattr(rm, "rollout", rollout)
     monkeypatch.setattr(rm, "update", update)
-    monkeypatch.setattr(rm, "filter_groups", lambda *a: [1, 3])
+    monkeypatch.setattr(rm, "filter_groups", lambda *a: filtered.append(a) or [1, 3])
     rm.train(cfg, quiet=True)
     train_rollouts = [eps for eps in rollouts if len(eps) == cfg.groups * cfg.group_size]
     assert len(calls) == len(train_rollouts) == 2 and [c[2] for c in calls] == [0.25, 0.5]
-    for (seqs, adv, _), eps in zip(calls, train_rollouts):
+    assert [a[1:] for a in filtered] == [("topk", 0.5, 0.75, "var", False)] * 2  # every filter flag reaches it
+    for (seqs, adv, _), eps, (R_seen, *_) in zip(calls, train_rollouts, filtered):
+        assert torch.equal(R_seen, torch.tensor([e["ret"] for e in eps]).view(4, 4))  # the step's returns, [P, G]
         kept = eps[4:8] + eps[12:16]  # groups 1 and 3 of 4, G = 4
         assert [s[0] for s in seqs] == [e["ids"] for e in kept] and [s[1] for s in seqs] == [e["mask"] for e in kept]
         R = torch.tensor([e["ret"] for e in eps]).view(4, 4)
