@@ -2179,6 +2179,12 @@ def test_bench_says_when_the_filter_keeps_nothing(tmp_path, monkeypatch, capsys)
     med = bench.main(cfg, iters=1)
     out = capsys.readouterr().out
     assert med["kept"] == 0 and med["update_snr"] < 0.01 and "no group kept, so no update" in out and "shorter" not in out
+    # the figures themselves, not only their labels: every timer ran, the parts fit inside the whole (one iteration)
+    assert all(med[k] > 0 for k in ("prefill", "decode", "env", "diag", "update_none", "prefill_tps", "decode_tps",
+                                    "hf_generate", "plain_step", "own_step")), med
+    assert med["prefill"] + med["decode"] + med["env"] < med["rollout"]
+    assert med["iter"] == pytest.approx(med["rollout"] + med["diag"] + med["update"])
+    assert med["overhead"] == pytest.approx(med["iter"] / (med["hf_generate"] + med["plain_step"]))
 
 
 @pytest.mark.parametrize("args, message", [
