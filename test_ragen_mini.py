@@ -2077,6 +2077,11 @@ def test_demo_code_path_runs_shortened(tmp_path, monkeypatch, capsys, threads):
                    "--- map 1000000 ---", "answer follows a teacher-forced reasoning"]:
         assert needle in table, needle
     assert ("| MI estimate, a turn drawn per episode" in table) == (threads == 1)
+    for title in ("| MI estimate, held-out batches", "| retrieval above chance, held-out batches", "| eval success"):
+        row = next(l for l in table.splitlines() if l.startswith(title))  # numbers, for the warm start and each run
+        assert len(row.strip(" |").split(" | ")) == 5 and all(math.isfinite(float(v)) for v in row.strip(" |").split(" | ")[1:]), row
+    rates = re.findall(r"^ +(warm start|\(a\) no filter|\(b\) SNR filter|\(c\) control): (\d\.\d\d) / (\d\.\d\d)$", table, re.M)
+    assert len(rates) == 4 and all(0 <= float(f) <= 1 and 0 <= float(o) <= 1 for _, f, o in rates), table[-600:]
     duels = re.findall(r"  (.+?) solves (\d+) maps that (.+?) fails and fails (\d+) that it solves: sign test p = ", table)
     assert [(x, y) for x, _, y, _ in duels][:2] == [("(b) SNR filter", "(a) no filter"), ("(b) SNR filter", "(c) control")]
     assert len(duels) == 5 and all(int(w) + int(l) <= 8 for _, w, _, l in duels)  # 8 held-out maps in this test
