@@ -1220,6 +1220,10 @@ def test_micro_batches_keep_the_token_mean(tiny):
             stats = rm.update(m, r, torch.optim.SGD(m.parameters(), lr=0.0), seqs, adv, dataclasses.replace(cfg, micro_batch=mb), scale)
             assert torch.allclose(torch.cat([p.grad.flatten() for p in m.parameters()]), want, atol=1e-6), (mb, scale)
             assert abs(stats["loss"] - loss.item()) < 1e-6
+    m = copy.deepcopy(model).train()  # --grad-clip: the global norm is cut to it, the direction kept
+    rm.update(m, ref, torch.optim.SGD(m.parameters(), lr=0.0), seqs, adv, dataclasses.replace(cfg, grad_clip=1e-3), 0.5)
+    got = torch.cat([p.grad.flatten() for p in m.parameters()])
+    assert want.norm() > 1e-2 and torch.allclose(got, want * 1e-3 / want.norm(), atol=1e-9, rtol=1e-4)
 
 
 def test_weight_decay_is_a_regulariser_the_control_run_scales(tiny):
