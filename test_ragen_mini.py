@@ -163,9 +163,17 @@ def test_step_reply():
     assert reward == pytest.approx(-0.1 + FORMAT_PENALTY) and not info["valid"] and info["format_ok"]
     env.reset(0)  # two invalid actions: the penalty once for the turn (the reference code's), not once per action
     assert step_reply(env, reply("t", "jump", "fly"))[1:3] == (FORMAT_PENALTY, False)
+    env.reset(0)  # an invalid action first: the valid one after it still acts and is still paid
+    assert step_reply(env, reply("t", "jump", "up"))[1] == pytest.approx(FORMAT_PENALTY - 0.1)
     env = make_env("sokoban", format_penalty=-0.5)
     env.reset(0)
     assert step_reply(env, reply("t", "jump", "fly"))[1] == -0.5
+    lake = make_env("frozenlake")
+    for actions, max_actions, where in [(("jump", "down"), 2, (1, 0)), (("down",) * 3, 3, (3, 0)), (("down",) * 3, 2, (2, 0))]:
+        lake.reset(0)
+        lake.pos, lake.goal, lake.holes = (0, 0), (3, 3), set()  # an open lake: every move below is valid
+        step_reply(lake, reply("t", *actions), max_actions)
+        assert lake.pos == where, (actions, max_actions)  # the actions after an invalid one, up to max_actions
     env = make_env("bandit")  # a finished episode: any reply, malformed too, changes nothing and costs nothing
     env.reset(0)
     step_reply(env, reply("t", env.expert()[1]))
@@ -401,6 +409,7 @@ def test_bandit_rewards():
     for seed in range(2000):
         env.reset(seed)
         assert env.render().count("(steady)") == 1 and env.render().count("(risky)") == 1
+        assert f"{env.steady} (steady)" in env.render() and f"{env.risky} (risky)" in env.render()  # each named right
         if seed % 2:
             assert env.step(env.steady.upper())[1:] == (0.1, True, {"valid": True, "success": False})
         else:
@@ -408,6 +417,8 @@ def test_bandit_rewards():
             assert reward in (0.0, 1.0) and done and info["success"]
             paid += reward
     assert 0.2 < paid / 1000 < 0.3
+    for seed in range(10):  # the payout is drawn from the seed: a group that shares it shares the draw
+        assert len({(env.reset(seed), env.step(env.risky)[1])[1] for _ in range(20)}) == 1
     env.reset(0)
     assert env.step("unicorn")[1:] == (FORMAT_PENALTY, False, {"valid": False, "success": False})
 
@@ -1195,6 +1206,15 @@ def test_loss_terms_match_a_plain_full_forward(tiny):
         assert t["kl"] > 1e-4
 
 
+def test_rollout_passes_max_actions_to_the_env(tiny, monkeypatch):
+    """--max-actions reaches step_reply for every turn of every episode."""
+    cfg, model, tok = tiny
+    seen, real = [], envs.step_reply
+    monkeypatch.setattr(envs, "step_reply", lambda env, text, max_actions=2: seen.append(max_actions) or real(env, text, max_actions))
+    rm.rollout(model, tok, dataclasses.replace(cfg, max_actions=3), [1, 2], 2, 1.0)
+    assert len(seen) >= 4 and set(seen) == {3}
+
+
 def test_micro_batches_keep_the_token_mean(tiny):
     """update() sorts the episodes by length into micro-batches; its gradient is the token mean over the whole
     batch, the same as one loss_terms() over all episodes in their own order, whatever the micro-batch size."""
@@ -1819,7 +1839,8 @@ def test_the_done_line_counts_the_held_out_maps_each_way(tmp_path, capsys):
     runfiles.write_log(str(tmp_path / "log.jsonl"), [{"step": 0, "sec": 1.0, "eval_success": 0.6}])  # 3 of the 5
     s = runfiles.finish(rm.parse_args(["--steps", "0"]), str(tmp_path), None, None, state)
     assert (s["gained"], s["lost"], s["p_sign"], s["eval_start"], s["eval_final"]) == (2, 1, 1.0, 0.4, 0.6)
-    assert "0.400 (warm start) -> 0.600 after 1 steps (of the same 5 held-out tasks, 2 newly solved and 1 newly failed" in capsys.readouterr().out
+    assert ("0.400 (warm start) -> 0.600 after 1 steps (of the same 5 held-out tasks, 2 newly solved and 1 newly failed: "
+            "sign test p = 1);") in capsys.readouterr().out
 
 
 def test_cli_end_to_end_and_resume(tmp_path):
@@ -1955,6 +1976,19 @@ def test_a_ctrl_c_while_the_libraries_import_is_one_line(tmp_path):
         proc.send_signal(sig.SIGINT)
         out, err = proc.communicate(timeout=60)
         assert proc.returncode != 0 and "Traceback" not in err and "Error" not in err and "interrupted" in err, err[-2000:]
+
+
+def test_a_ctrl_c_during_a_run_says_how_to_resume(tmp_path):
+    """^C once a run has started: one line naming the folder to resume from (the demo: its folder of three runs)."""
+    for args, where in ((["--out", str(tmp_path)], runfiles.run_dir), (["--demo", "--out", str(tmp_path)], None)):
+        cfg = rm.parse_args(args)
+        if where is None:
+            import demo
+            where = demo.demo_dir
+        with pytest.raises(SystemExit, match=r"^\ninterrupted: rerun the same command to resume from the last checkpoints? in "
+                                             + re.escape(where(cfg)) + r" \(a warm start cut short resumes"):
+            with runfiles.one_line_errors(cfg):
+                raise KeyboardInterrupt
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals; the run-folder lock uses flock")
@@ -2376,6 +2410,8 @@ def test_an_edited_env_gets_its_own_warm_start(monkeypatch):
     cfg, soko = rm.parse_args([]), rm.parse_args(["--env", "sokoban"])
     path, soko_path = tiny.cache_path(cfg), tiny.cache_path(soko)
     assert tiny.cache_path(rm.parse_args(["--env-args", '{"format_penalty": -0.5}'])) == path
+    for flags in (["--tiny-dim", "64"], ["--tiny-layers", "3"], ["--warmup-steps", "7"], ["--warmup-lr", "1e-4"], ["--max-turns", "3"]):
+        assert tiny.cache_path(rm.parse_args(flags)) != path, flags  # each setting that shapes the warm start
     if not torch.cuda.is_available():  # a GPU's warm start has other weights: its own folder; a CPU's keeps its key
         assert tiny.cache_path(dataclasses.replace(cfg, device="cuda")) != path
         assert tiny.cache_path(dataclasses.replace(cfg, device="cpu")) == path
