@@ -107,6 +107,11 @@ def _whole(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _real(v):
+    """A number (int or float), not a bool and not a string: '0.2' would fail later as a comparison with a str."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _need(ok, message):
     """Constructor argument checks: a value out of range fails at once, with its name, not minutes into a run."""
     if not ok:
@@ -175,7 +180,7 @@ class FrozenLake(Env):
         _need(_whole(size) and 2 <= size <= MAX_SIZE, f"size must be an integer in [2, {MAX_SIZE}] "
               f"(a {MAX_SIZE}x{MAX_SIZE} map is already 2,000 characters a turn), got {size!r}")
         for k, v in (("p_hole", p_hole), ("slip", slip), ("unsolvable_frac", unsolvable_frac), ("generic_think", generic_think)):
-            _need(0 <= v <= 1, f"{k} is a probability in [0, 1], got {v!r}")
+            _need(_real(v) and 0 <= v <= 1, f"{k} is a probability in [0, 1] (a number), got {v!r}")
         _need(not unsolvable_frac or (size >= 3 and p_hole < 1), "unsolvable maps need size >= 3 and p_hole < 1 "
               f"(P must have a safe cell to move to), got size={size!r} p_hole={p_hole!r}")
 
@@ -337,7 +342,7 @@ class Sokoban(Env):
         _need(_whole(size) and 5 <= size <= MAX_SIZE, f"size must be an integer in [5, {MAX_SIZE}] (walls around the "
               f"map: a 4x4 map's 2x2 floor has no room to push a box; a {MAX_SIZE}x{MAX_SIZE} map is already 2,000 "
               f"characters a turn), got {size!r}")
-        _need(0 <= inner_walls <= (size - 2) ** 2 - 3, f"inner_walls must be in [0, {(size - 2) ** 2 - 3}] (floor "
+        _need(_whole(inner_walls) and 0 <= inner_walls <= (size - 2) ** 2 - 3, f"inner_walls must be an integer in [0, {(size - 2) ** 2 - 3}] (floor "
               f"for the player, the box and the target), got {inner_walls!r}")
 
     def reset(self, seed):
@@ -863,6 +868,6 @@ def make_env(name, format_penalty=None, max_turns=None, **kwargs):
     _need(_whole(env.max_turns) and 1 <= env.max_turns <= MAX_TURNS, f"max_turns must be an integer in "
           f"[1, {MAX_TURNS}] (the whole conversation is one sequence), got {env.max_turns!r}")
     if format_penalty is not None:
+        _need(_real(format_penalty) and math.isfinite(format_penalty), f"format_penalty must be a finite number, got {format_penalty!r}")
         env.format_penalty = float(format_penalty)
-        _need(math.isfinite(env.format_penalty), f"format_penalty must be a finite number, got {format_penalty!r}")
     return env

@@ -54,9 +54,12 @@ def settings_problem(cfg):
     rules += [("group_size", ">= 2 (one sample has no group to be relative to: every advantage would be 0)", c.group_size >= 2),
               ("grad_clip", "> 0", c.grad_clip > 0), ("filter_p", "> 0", c.filter_p > 0), ("filter_k", "in (0, 1]", 0 < c.filter_k <= 1),
               ("clip_low", "in [0, 1)", 0 <= c.clip_low < 1), ("seed", "in [0, 2**32)", 0 <= c.seed < 2**32),
-              ("weight_decay", "< 1 / --lr (AdamW scales each weight by 1 - lr * weight_decay a step)", c.lr * c.weight_decay < 1),
+              ("weight_decay", "< 1 / --lr (AdamW scales each weight by 1 - lr * weight_decay a step)",  # (a NaN --lr: its own rule)
+               not (math.isfinite(c.lr) and math.isfinite(c.weight_decay)) or c.lr * c.weight_decay < 1),
               ("temperature", "> 0 (greedy samples of a group are all alike: no spread to learn from)", c.temperature > 0),
-              ("name", "one folder name (no '/', not '.' or '..'): runs go under --out", c.name in ("", os.path.basename(c.name)) and c.name not in (".", "..")),
+              ("name", "one folder name (no '/', not '.', '..' or blank): runs go under --out",
+               c.name in ("", os.path.basename(c.name)) and c.name not in (".", "..") and (c.name == "" or c.name.strip() != "")),
+              ("model", "'tiny', a hub id or a model folder", c.model.strip() != ""),
               ("tiny_dim", "a positive multiple of 8 (4 heads of even size)", c.tiny_dim > 0 and c.tiny_dim % 8 == 0),
               ("bench", "left out with --demo (one job a command)", not (c.demo and c.bench)),
               ("plot", "left out with --demo and --bench (one job a command)", not (c.plot and (c.demo or c.bench)))]

@@ -261,14 +261,16 @@ def test_frozenlake_generic_think_changes_only_the_reasoning():
     ("frozenlake-mixed", {"unsolvable_frac": 1.5}, "unsolvable_frac is a probability"),
     ("frozenlake", {"slip": float("nan")}, "slip is a probability"), ("frozenlake", {"size": 1}, "size must be an integer in [2, 32]"),
     ("frozenlake", {"size": 4.5}, "size must be an integer"), ("sokoban", {"size": 4}, "size must be an integer in [5, 32]"),
-    ("sokoban", {"inner_walls": 99}, "inner_walls must be in [0, 13]"), ("webshop", {"n_items": 0}, "n_items must be"), ("webshop", {"n_items": 61}, "in [1, 60]"),
+    ("sokoban", {"inner_walls": 99}, "inner_walls must be an integer in [0, 13]"), ("webshop", {"n_items": 0}, "n_items must be"), ("webshop", {"n_items": 61}, "in [1, 60]"),
     ("code", {"n_tests": 0}, "n_tests must be"), ("countdown", {"max_turns": 1.5}, "max_turns must be an integer in [1, 100]"),
     ("bandit", {"max_turns": 2}, "bandit is single-turn"), ("frozenlake", {"format_penalty": float("inf")}, "format_penalty must be a finite"),
     ("frozenlake", {"p_hole": 1, "unsolvable_frac": 0.1}, "unsolvable maps need"),
     ("frozenlake", {"size": 3000}, "size must be an integer in [2, 32]"), ("sokoban", {"size": 33}, "in [5, 32]"),
     ("code", {"n_tests": 10**8}, "n_tests must be an integer in [1, 100]"),
     ("frozenlake", {"max_turns": 10**9}, "max_turns must be an integer in [1, 100]"),
-    ("frozenlake", {"max_turns": True}, "max_turns must be an integer"), ("code", {"n_tests": True}, "n_tests must be")])
+    ("frozenlake", {"max_turns": True}, "max_turns must be an integer"), ("code", {"n_tests": True}, "n_tests must be"),
+    ("frozenlake", {"slip": "0.2"}, "slip is a probability in [0, 1] (a number), got '0.2'"),  # was "'<=' not supported"
+    ("sokoban", {"inner_walls": "2"}, "inner_walls must be an integer"), ("frozenlake", {"format_penalty": "high"}, "format_penalty must be a finite number")])
 def test_env_arguments_out_of_range_fail_at_once_with_their_name(name, kwargs, message):
     """Each constructor checks its arguments (slip 2 used to run, and n_items 0 was a KeyError at the first reset)."""
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -1750,10 +1752,38 @@ def test_resume_names_a_log_line_edited_by_hand(tmp_path):
     (dict(weight_decay=-0.1), "--weight-decay must be >= 0"), (dict(weight_decay=float("inf")), "--weight-decay must be a finite number"),
     (dict(lr=1e-3, weight_decay=1000.0), "--weight-decay must be < 1 / --lr"),
     (dict(demo=True, bench=True), "--bench must be left out with --demo"),  # it ran the demo without a word
+    (dict(name=" "), "--name must be one folder name (no '/', not '.', '..' or blank)"),  # trained into runs/' '
+    (dict(model=""), "--model must be 'tiny', a hub id or a model folder"),  # was refused by the hub, after the folder was made
 ])
 def test_flag_rules(change, message):
     assert runfiles.flag_problem(rm.Config()) is None
     assert message in runfiles.flag_problem(rm.Config(**change))
+
+
+def test_a_nan_lr_names_only_the_lr():
+    """--lr nan also broke the weight-decay rule (nan * 0 < 1 is false) and named --weight-decay, which nobody set."""
+    for lr in (float("nan"), float("inf")):
+        assert runfiles.flag_problem(rm.Config(lr=lr)) == "--lr must be a finite number"
+
+
+def test_an_unreachable_hub_id_is_one_line(monkeypatch):
+    """huggingface_hub logs each retry of a hub id it cannot reach (20 lines before the error line): load_policy
+    quiets its logger to errors."""
+    import logging, transformers
+    def offline(*a, **k):
+        logging.getLogger("huggingface_hub.utils._http").warning("'[Errno -2]' thrown while requesting HEAD ... Retrying in 1s")
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
+    hub, seen = logging.getLogger("huggingface_hub"), []
+    level = hub.level
+    hub.setLevel(logging.WARNING)  # the library's default
+    monkeypatch.setattr(logging.Logger, "handle", lambda self, record: seen.append(record.getMessage()))
+    try:
+        with pytest.raises(OSError, match="couldn't connect"):
+            rm.load_policy(rm.Config(model="nonexistent-org/nonexistent-model"), torch.device("cpu"))
+    finally:
+        hub.setLevel(level)
+    assert seen == []
 
 
 def test_flag_values_no_check_foresaw_get_one_line(monkeypatch, capsys):
