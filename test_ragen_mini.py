@@ -826,6 +826,22 @@ def test_demo_bucket_norms_mean_and_standard_error():
     # --groups 2 --gradnorm-every k logs two buckets (no rv_b2): no top bucket to read, no step counted (was a KeyError)
     two = {"step": 0, **{f"{k}_b{b}": 1.0 for k in ("gn_task", "gn_entropy", "gn_kl", "rv") for b in range(2)}}
     assert demo.bucket_norms([two, rows[0]])[3] == 1
+    assert demo.bucket_norms([row(0, 0.2, [1, 2, 3], [1, 1, 1])])[2]["task"] is None  # task: no paired ratio, ever
+
+
+def test_demo_helpers_readings_and_sample_reasonings(monkeypatch):
+    """readings: the mean kept fraction and the skipped steps counted over the whole log; sample_reasonings: one
+    first-turn reasoning per seed at the evaluation temperature, from seed 0's noise, control bytes escaped."""
+    import demo
+    s = demo.readings([{"kept_frac": 1.0, "skipped": 1}, {"kept_frac": 0.5, "skipped": 1}, {"kept_frac": 0.0, "alarm": 1}])
+    assert s["kept"] == 0.5 and s["skipped"] == 2 and s["alarm"] == "fired"
+    seen = []
+    def rollout(model, tok, cfg, seeds, G, T):
+        seen.append((seeds, G, T, torch.initial_seed()))
+        return [{"first_think": " a\x1bb\nc "} for _ in seeds]
+    monkeypatch.setattr(rm, "rollout", rollout)
+    assert demo.sample_reasonings(None, None, rm.Config(eval_temperature=0.3), [7]) == ["a\\x1bb\\x0ac"]
+    assert seen == [([7], 1, 0.3, 0)]
 
 
 # ---------------------------------------------------------------- cross_score
@@ -1608,6 +1624,25 @@ def test_collapse_alarm_rule(readings, fires, tmp_path, monkeypatch):
     assert summary["alarm"] == fires and [r.get("alarm") for r in rows] == [None, 1 if fires else None]
 
 
+nan = float("nan")
+
+
+@pytest.mark.parametrize("readings, alarms", [
+    ([(1, 2), (0.4, 2), (0.3, 2)], [None, 1, 1]),  # fires, and is printed once
+    ([(nan, 2), (1, 2), (0.4, 2)], [None, None, 1]),  # the first finite reading is the start
+    ([(-0.1, 2), (-1, 2), (-2, 2)], [None, None, None]),  # an MI that starts at or below 0 cannot halve
+    ([(1, 2), (0.45, 1.6), (0.45, 1.6)], [None, 1, 1]),  # entropy at exactly 80% of its start still holds
+])
+def test_collapse_alarm_over_three_steps(readings, alarms, tmp_path, monkeypatch, capsys):
+    cfg = rm.parse_args(SMALL + ["--steps", "3", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "c")])
+    script = iter(readings)
+    monkeypatch.setattr(rm, "diagnostics", lambda *a: dict(zip(("mi", "token_entropy"), next(script)), retrieval=1.0))
+    summary, _, _ = rm.train(cfg, quiet=True)
+    rows = runfiles.read_log(os.path.join(summary["out"], "log.jsonl"))
+    assert [r.get("alarm") for r in rows] == alarms and summary["alarm"] == any(alarms)
+    assert capsys.readouterr().out.count("COLLAPSE ALARM") == any(alarms)
+
+
 def test_max_turns_flag_is_the_envs_own_turn_limit():
     """--max-turns is passed to the env: its maps fit it and its episodes end by it (it used to cut only the rollout,
     so countdown --max-turns 3 still ended at its first answer, and frozenlake --max-turns 2 drew maps 5 moves long)."""
@@ -1958,6 +1993,7 @@ def test_demo_flags_typed_override_its_setup():
     assert demo.demo_dir(plain) == os.path.join("runs", "demo-s3") and demo.changes(plain) == {}
     assert demo.demo_config(plain) == rm.Config(**demo.SETUP, seed=3)
     assert demo.changes(mine) == {"kl_coef": 0.0, "steps": 50} and demo.demo_dir(mine).startswith(os.path.join("runs", "demo-s3-"))
+    assert demo.demo_dir(rm.parse_args(["--demo", "--kl-coef", "0"])) != demo.demo_dir(rm.parse_args(["--demo", "--kl-coef", "0.01"]))
     assert demo.demo_config(mine) == rm.Config(**(demo.SETUP | {"kl_coef": 0.0, "steps": 50}), seed=3)
     for args, message in [(["--filter", "snr"], "sets --filter"), (["--steps", "0"], "--steps >= 1"), (["--groups", "2"], "--groups >= 3"),
                           (["--env", "bandit"], "do not fit env 'bandit'.*give its --env-args too")]:  # the set-up's env-args
@@ -2239,6 +2275,21 @@ def test_bench_generate_baseline_samples_as_the_loop(monkeypatch):
     eps = [{"ids": [1, 2, 3, 4, 5, 6, 7], "mask": [0, 0, 1, 1, 1, 0, 1]}]  # two turns: 3 tokens after 2, 1 after 6
     bench.hf_generate_time(model, SimpleNamespace(pad_token_id=0), eps, 0.7)
     assert seen == [(False, 0.7, None, 3), (False, 0.7, None, 1)] and model.generation_config.repetition_penalty == 1.3
+    inputs = []  # the contexts: each turn's, left-padded, as the rollout feeds them
+    monkeypatch.setattr(model, "generate", lambda **kw: inputs.append((kw["input_ids"].tolist(), kw["attention_mask"].tolist())))
+    bench.hf_generate_time(model, SimpleNamespace(pad_token_id=0), eps + [{"ids": [8, 9, 10, 11], "mask": [0, 1, 1, 0]}], 0.7)
+    assert inputs[0] == ([[1, 2], [0, 8]], [[1, 1], [0, 1]])
+
+
+def test_bench_plain_step_trains_a_copy(tiny):
+    """The plain step's timing trains its own copy: the caller's model (the next iteration's policy) is untouched."""
+    import bench
+    cfg, model, tok = tiny
+    eps = rm.rollout(model, tok, cfg, [3], 2, 1.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for own in (False, True):
+        bench.plain_step_time(model, [(e["ids"], e["mask"], e["logp"]) for e in eps], dataclasses.replace(cfg, lr=1e-2), own)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_bench_says_when_the_filter_keeps_nothing(tmp_path, monkeypatch, capsys):
