@@ -1994,6 +1994,9 @@ def test_demo_flags_typed_override_its_setup():
     assert demo.demo_config(plain) == rm.Config(**demo.SETUP, seed=3)
     assert demo.changes(mine) == {"kl_coef": 0.0, "steps": 50} and demo.demo_dir(mine).startswith(os.path.join("runs", "demo-s3-"))
     assert demo.demo_dir(rm.parse_args(["--demo", "--kl-coef", "0"])) != demo.demo_dir(rm.parse_args(["--demo", "--kl-coef", "0.01"]))
+    for flags in (["--name", "x"], ["--filter", "none"]):  # set by the demo for each of its three runs
+        with pytest.raises(SystemExit, match="sets --filter, --name, --reg-scale-from itself"):
+            demo.main(rm.parse_args(["--demo"] + flags))
     assert demo.demo_config(mine) == rm.Config(**(demo.SETUP | {"kl_coef": 0.0, "steps": 50}), seed=3)
     for args, message in [(["--filter", "snr"], "sets --filter"), (["--steps", "0"], "--steps >= 1"), (["--groups", "2"], "--groups >= 3"),
                           (["--env", "bandit"], "do not fit env 'bandit'.*give its --env-args too")]:  # the set-up's env-args
@@ -2279,6 +2282,33 @@ def test_bench_generate_baseline_samples_as_the_loop(monkeypatch):
     monkeypatch.setattr(model, "generate", lambda **kw: inputs.append((kw["input_ids"].tolist(), kw["attention_mask"].tolist())))
     bench.hf_generate_time(model, SimpleNamespace(pad_token_id=0), eps + [{"ids": [8, 9, 10, 11], "mask": [0, 1, 1, 0]}], 0.7)
     assert inputs[0] == ([[1, 2], [0, 8]], [[1, 1], [0, 1]])
+
+
+def test_demo_heldout_mi_averages_fixed_disjoint_batches(monkeypatch):
+    """heldout_mi: HELDOUT_BATCHES disjoint batches of held-out maps (seeds >= 1e6), batch k from torch seed k, at the
+    training temperature; the mean of the batches that have MI proxies."""
+    import demo
+    seen, readings = [], iter([{"mi": 1.0, "retrieval": 1.0, "retrieval_chance": 0.1}, {"think_len": 0.0},
+                               {"mi": 3.0, "retrieval": 0.5, "retrieval_chance": 0.1}, {"mi": 5.0, "retrieval": 0.0, "retrieval_chance": 0.1}])
+    monkeypatch.setattr(rm, "rollout", lambda model, tok, cfg, seeds, G, T: seen.append((seeds, G, T, torch.initial_seed())) or [])
+    monkeypatch.setattr(rm, "diagnostics", lambda *a: next(readings))
+    out = demo.heldout_mi(None, None, rm.Config(group_size=4, temperature=0.7))
+    assert out == pytest.approx({"mi": 3.0, "retrieval": 0.5, "retrieval_chance": 0.1})
+    seeds = [s for ss, _, _, _ in seen for s in ss]
+    assert len(seeds) == len(set(seeds)) == demo.HELDOUT_BATCHES * demo.HELDOUT_MAPS and min(seeds) >= 10**6
+    assert [x[1:] for x in seen] == [(4, 0.7, k) for k in range(demo.HELDOUT_BATCHES)]
+
+
+def test_demo_follows_reasoning_counts_the_teacher_forced_maps_move(tiny, monkeypatch):
+    """follows_reasoning: map k's expert reasoning under map j's prompt; an answer that reads the reasoning it was
+    given names map k's move: (follow rate, own-map rate) = (1, 0). Bandit: its reasoning ends '<arm> higher'."""
+    import demo
+    cfg, model, tok = tiny
+    def generate(model, chunks, max_new, temperature, stop, pad_id, state=None):
+        arm = re.findall(r"(\w+) higher", tok.decode(chunks[0]))[-1]  # the arm the teacher-forced reasoning picks
+        return [tok(f" {arm} </answer>", add_special_tokens=False).input_ids], None, None, None
+    monkeypatch.setattr(rm, "generate", generate)
+    assert demo.follows_reasoning(model, tok, dataclasses.replace(cfg, env="bandit", max_turns=0), n=16) == (1.0, 0.0)
 
 
 def test_bench_plain_step_trains_a_copy(tiny):
