@@ -208,9 +208,8 @@ def amp(fn):
 def load_policy(cfg, device, quiet=False):
     """-> (model, tokenizer). 'tiny' builds and warm-starts the embedded model (cached); else from_pretrained."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from huggingface_hub.utils import logging as hub_logging
     from transformers.utils import logging as hf_logging
-    hub_logging.set_verbosity_error()  # a hub id it cannot reach: 20 lines of retries before the one error line
+    runfiles.quiet_hub_retries()  # a hub id it cannot reach: 20 lines of retries before the one error line
     if not sys.stderr.isatty():
         hf_logging.disable_progress_bar()  # HF's bars ("Writing model shards"), like ours, are noise in a log file
     if cfg.model == "tiny":

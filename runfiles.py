@@ -86,7 +86,7 @@ def settings_problem(cfg):
     for run in runs:
         rows = logged(run)
         if isinstance(rows, Exception):
-            return f"--plot {run}: its log.jsonl is not a run's log ({rows.__class__.__name__}: {str(rows)[:80]})"
+            return f"--plot {run}: its log.jsonl is not a run's log ({rows.__class__.__name__}: {str(rows)[:300]})"
         if not rows:
             return f"--plot {run}: no run there (no log.jsonl with a step in it)"
     try:  # the control run's scales: checked now, read when the run starts
@@ -198,10 +198,13 @@ def read_log(path):
 
 
 def write_log(path, rows, mode="a"):
-    """Append rows as strict JSON lines: a non-finite number (a skipped step's NaN loss) is written as null."""
+    """Append rows as strict JSON lines: a non-finite number (a skipped step's NaN loss) is written as null. Synced to
+    disk, as checkpoints are: after a power cut the log still holds every step before the last checkpoint."""
     finite = lambda v: None if isinstance(v, float) and not math.isfinite(v) else v
     with open(path, mode) as f:
         f.writelines(json.dumps({k: finite(v) for k, v in r.items()}, allow_nan=False) + "\n" for r in rows)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def resume(cfg, out, device):
@@ -282,6 +285,17 @@ def kept_fractions(path, steps=None):
     if steps is not None and (steps > len(scales) or any(s not in scales for s in range(steps))):  # no set(range(1e12))
         raise ValueError(f"{path} holds the kept fractions of {len(scales)} steps, not of all {steps}: has its run ended?")
     return scales
+
+
+def _not_a_retry(record):
+    return not any(s in record.getMessage() for s in ("Retrying in", "thrown while requesting"))
+
+
+def quiet_hub_retries():
+    """Drop huggingface_hub's retry lines (a hub id it cannot reach: 20 of them before the one error line); its other
+    warnings (rate limits, the server's own) stay, and HF_HUB_VERBOSITY still sets its level."""
+    import logging
+    logging.getLogger("huggingface_hub.utils._http").addFilter(_not_a_retry)  # (added once: the same function)
 
 
 def save_ckpt(path, **state):

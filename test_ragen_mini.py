@@ -793,6 +793,10 @@ def test_read_log_refuses_what_is_not_a_file(tmp_path):
     os.makedirs(tmp_path / "deep")
     (tmp_path / "deep" / "log.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
     assert "line 1, is not a log row" in str(runfiles.logged(str(tmp_path / "deep")))  # a ValueError
+    long = tmp_path / ("a-long-folder-name-" * 4) / "frozenlake-snr-s0-af58d4"  # --plot names the line, however long the path
+    os.makedirs(long)
+    (long / "log.jsonl").write_text('{"step": 0}\n\n')
+    assert "log.jsonl, line 2, is not a log row" in runfiles.flag_problem(rm.Config(plot=str(long)))
 
 
 def test_sign_test_closed_form():
@@ -1737,6 +1741,15 @@ def test_resume_drops_the_log_rows_after_its_checkpoint(tmp_path):
     assert [r["step"] for r in runfiles.read_log(os.path.join(out, "log.jsonl"))] == [0, 1, 2]  # step 3 reruns
 
 
+def test_log_rows_are_on_disk_when_written(tmp_path, monkeypatch):
+    """write_log syncs each append: a power cut after a checkpoint never leaves a log that misses steps before it."""
+    seen = []
+    monkeypatch.setattr(os, "fsync", lambda fd: seen.append(os.fstat(fd).st_size))
+    runfiles.write_log(str(tmp_path / "log.jsonl"), [{"step": 0}])
+    runfiles.write_log(str(tmp_path / "log.jsonl"), [{"step": 1}])
+    assert seen == [12, 24]
+
+
 def test_save_ckpt_is_on_disk_before_its_rename(tmp_path, monkeypatch):
     """A checkpoint is fsynced before it replaces the last one: a rename can reach the disk before the data, and a
     power cut would then leave ckpt.pt empty, the run lost (resume refuses an unreadable checkpoint)."""
@@ -1802,23 +1815,25 @@ def test_a_nan_lr_names_only_the_lr():
 
 
 def test_an_unreachable_hub_id_is_one_line(monkeypatch):
-    """huggingface_hub logs each retry of a hub id it cannot reach (20 lines before the error line): load_policy
-    quiets its logger to errors."""
+    """huggingface_hub logs each retry of a hub id it cannot reach (20 lines before the error line): load_policy drops
+    those lines, and only those (a rate limit's wait is still said)."""
     import logging, transformers
+    http = logging.getLogger("huggingface_hub.utils._http")
     def offline(*a, **k):
-        logging.getLogger("huggingface_hub.utils._http").warning("'[Errno -2]' thrown while requesting HEAD ... Retrying in 1s")
+        http.warning("'[Errno -2] Name or service not known' thrown while requesting HEAD https://huggingface.co/x")
+        http.warning("Retrying in 1s [Retry 1/5].")
+        http.warning("Rate limited. Waiting 5s before retry [Retry 1/5].")
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
-    hub, seen = logging.getLogger("huggingface_hub"), []
-    level = hub.level
-    hub.setLevel(logging.WARNING)  # the library's default
-    monkeypatch.setattr(logging.Logger, "handle", lambda self, record: seen.append(record.getMessage()))
+    seen, handler = [], logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    http.addHandler(handler)
     try:
         with pytest.raises(OSError, match="couldn't connect"):
             rm.load_policy(rm.Config(model="nonexistent-org/nonexistent-model"), torch.device("cpu"))
     finally:
-        hub.setLevel(level)
-    assert seen == []
+        http.removeHandler(handler)
+    assert seen == ["Rate limited. Waiting 5s before retry [Retry 1/5]."]
 
 
 def test_flag_values_no_check_foresaw_get_one_line(monkeypatch, capsys):
