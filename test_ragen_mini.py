@@ -16,6 +16,7 @@ import os
 import random
 import re
 import subprocess
+import tempfile
 import sys
 import time
 from collections import deque
@@ -2557,6 +2558,62 @@ def test_an_edited_env_gets_its_own_warm_start(monkeypatch):
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE,
                            env=dict(os.environ, PYTHONHASHSEED=seed)).stdout for seed in ("1", "123")]
     assert runs[0] == runs[1] and path in runs[0] and soko_path in runs[0], runs
+
+
+def test_run_plumbing_small_rules(tiny, monkeypatch):
+    """From a review with mutations: the done line's summary over a whole log (the last evaluation, every step, skips
+    and seconds); ZScoreEMA's empty and NaN readings leave it unset; a model's own single stop id; evaluate()'s
+    held-out maps, temperature and one sample each; Chat refuses a template that does not close turns with EOS;
+    --out is no part of a run's name."""
+    _, model, tok = tiny
+    out = tempfile.mkdtemp()
+    runfiles.write_log(os.path.join(out, "log.jsonl"), [{"step": 0, "sec": 1.0, "eval_success": 0.5},
+                                                       {"step": 1, "sec": 2.0, "skipped": 1}, {"step": 2, "sec": 3.5, "eval_success": 0.75}])
+    s = runfiles.finish(rm.Config(steps=0), out, None, None, {"eval0": 0.25, "alarm": False}, quiet=True)
+    assert (s["eval_start"], s["eval_final"], s["steps"], s["skipped"], s["sec"]) == (0.25, 0.75, 3, 1, 6.5)
+    e = ZScoreEMA()
+    assert math.isnan(e.update([], [])) and e.state_dict()["std"] is None
+    assert math.isnan(e.update([math.nan, 1.0], [0.0, 2.0])) and e.state_dict()["std"] is None
+    assert rm.stop_ids(SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=5)), SimpleNamespace(eos_token_id=2)) == [2, 5]
+    got = []
+    monkeypatch.setattr(rm, "rollout", lambda m, t, cfg, seeds, G, T: got.append((seeds, G, T)) or [{"success": True}] * len(seeds))
+    assert rm.evaluate(torch.nn.Linear(1, 1), None, rm.Config(eval_episodes=3, eval_temperature=0.3)) == [True] * 3
+    assert got == [([10**6, 10**6 + 1, 10**6 + 2], 1, 0.3)]
+    template = tok.chat_template
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<end>\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    try:
+        with pytest.raises(ValueError, match="does not end assistant turns with EOS"):
+            rm.Chat(tok, "Go.")
+    finally:
+        tok.chat_template = template
+    assert os.path.basename(runfiles.run_dir(rm.Config(out="/a"))) == os.path.basename(runfiles.run_dir(rm.Config(out="/b")))
+    assert "out" not in runfiles.run_key(rm.Config())
+
+
+def test_warm_start_schedule_and_loss_on_agent_tokens(tmp_path, monkeypatch):
+    """The warm start's learning rate: 50 steps of linear warmup, then a cosine from 1 to a floor of 0.1 (0.55 at
+    half-way); its loss covers the agent's tokens alone, 32 episodes a step in micro-batches sorted by length."""
+    import tiny
+    cfg = rm.parse_args(["--warmup-steps", "1000", "--tiny-dim", "32", "--cache-dir", str(tmp_path)])
+    class Stop(Exception):
+        pass
+    def capture(opt, f):
+        raise Stop(f)
+    monkeypatch.setattr(torch.optim.lr_scheduler, "LambdaLR", capture)
+    with pytest.raises(Stop) as stop:
+        tiny.warm_start(cfg, str(tmp_path / "w"), torch.device("cpu"))
+    f = stop.value.args[0]
+    assert f(0) == pytest.approx(1 / 50) and f(49) == pytest.approx(0.55 + 0.45 * math.cos(math.pi * 0.049)) and f(500) == pytest.approx(0.55) and f(1000) == pytest.approx(0.1)
+    monkeypatch.undo()
+    targets, masks, lens = [], [], []
+    real_ce, real_episode, real_pad = tiny.F.cross_entropy, tiny.expert_episode, rm.pad_right
+    monkeypatch.setattr(tiny.F, "cross_entropy", lambda logits, tgt, **k: targets.append(len(tgt)) or real_ce(logits, tgt, **k))
+    monkeypatch.setattr(tiny, "expert_episode", lambda *a: (lambda ep: masks.append(ep[1]) or ep)(real_episode(*a)))
+    monkeypatch.setattr(rm, "pad_right", lambda seqs, *a: lens.extend(len(x[0]) for x in seqs) or real_pad(seqs, *a))
+    tiny.warm_start(dataclasses.replace(cfg, warmup_steps=1), str(tmp_path / "w1"), torch.device("cpu"))
+    assert len(masks) == len(lens) == 32 and lens == sorted(lens)
+    assert sum(targets) == sum(sum(m[1:]) for m in masks) > 0  # each agent token predicted once, nothing else
 
 
 def test_model_without_a_chat_template_gets_one_clear_line(tmp_path):
