@@ -58,7 +58,7 @@ def settings_problem(cfg):
                not (math.isfinite(c.lr) and math.isfinite(c.weight_decay)) or c.lr * c.weight_decay < 1),
               ("temperature", "> 0 (greedy samples of a group are all alike: no spread to learn from)", c.temperature > 0),
               ("name", "one folder name (no '/', not '.', '..' or blank): runs go under --out",
-               c.name in ("", os.path.basename(c.name)) and c.name not in (".", "..") and (c.name == "" or c.name.strip() != "")),
+               c.name == "" or c.name == os.path.basename(c.name) and c.name not in (".", "..") and c.name.strip() != ""),
               ("model", "'tiny', a hub id or a model folder", c.model.strip() != ""),
               ("tiny_dim", "a positive multiple of 8 (4 heads of even size)", c.tiny_dim > 0 and c.tiny_dim % 8 == 0),
               ("bench", "left out with --demo (one job a command)", not (c.demo and c.bench)),
@@ -131,12 +131,11 @@ def plotted(cfg):
 
 
 def logged(run):
-    """A run's log rows, [] when it has none with a step, or the exception that reading it raised."""
+    """A run's log rows ([] when it has none), or the exception that reading it raised."""
     try:
-        rows = read_log(os.path.join(run, "log.jsonl"))
+        return read_log(os.path.join(run, "log.jsonl"))
     except (OSError, ValueError) as e:
         return e
-    return rows if all("step" in r for r in rows) else ValueError("rows without a step")
 
 
 def run_key(cfg):
@@ -181,7 +180,8 @@ def locked(out, wait=False):
 
 def read_log(path):
     """The rows of a run's JSONL log ([] if there is none yet); a last line cut mid-write by an interrupt is left out.
-    A null (write_log's non-finite number) is read back as NaN. A line that is not a JSON object: ValueError naming it."""
+    A null (write_log's non-finite number) is read back as NaN. A line that is not a JSON object with an integer step
+    (edited by hand): ValueError naming the file and the line, not json's message or a KeyError 'step' later."""
     if not os.path.exists(path):
         return []
     if not os.path.isfile(path):  # a folder, a FIFO (reading one would block), a device
@@ -192,8 +192,10 @@ def read_log(path):
             try:
                 rows.append(json.loads(line))
                 assert isinstance(rows[-1], dict)
-            except (ValueError, AssertionError, RecursionError):  # edited by hand: name the line, not json's message
+            except (ValueError, AssertionError, RecursionError):
                 raise ValueError(f"{path}, line {n}, is not a log row (a JSON object): fix or remove that line") from None
+            if type(rows[-1].get("step")) is not int:
+                raise ValueError(f"{path}, line {n}, has no step number: fix or remove that line")
     return [{k: math.nan if v is None else v for k, v in r.items()} for r in rows]
 
 
@@ -234,10 +236,7 @@ def resume(cfg, out, device):
         assert c is None or isinstance(c, dict) and isinstance(c.get("step"), int)
     except Exception as e:  # garbage, cut short, not ours: say which file, not a pickle traceback
         raise FileExistsError(f"{ckpt} is unreadable ({e.__class__.__name__}): {remedy}") from None
-    rows = read_log(log) if c is not None else []  # a fresh start removes the log: only a resume reads it
-    bad = next((n for n, r in enumerate(rows, 1) if type(r.get("step")) is not int), None)
-    if bad:  # a row edited by hand: say which (a KeyError 'step' said nothing)
-        raise ValueError(f"{log}, line {bad}, has no step number: fix or remove that line to resume")
+    rows = read_log(log) if c is not None else []  # a fresh start removes the log; a line edited by hand is named
     with open(cfg_path + ".tmp", "w") as f:
         json.dump(asdict(cfg), f, indent=1)
     os.replace(cfg_path + ".tmp", cfg_path)  # atomic: a kill mid-write never leaves a half file that blocks the resume
