@@ -340,7 +340,7 @@ def filter_groups(returns, mode="snr", p=0.9, k=0.25, score="std", include_zero=
     in the score's units: under var (squared units) a batch whose group variances sum to under 0.011, e.g. only
     single format errors, keeps nothing."""
     s = returns.std(1) if score == "std" else returns.var(1)  # unbiased, over the G samples of a group
-    s = torch.nan_to_num(s, 0.0)  # group_size 1 has no spread
+    s = s.masked_fill(flat(returns), 0.0)  # G equal returns (or G = 1): no spread, exactly (float32 leaves 6e-8 for 0.9)
     order = torch.argsort(s, descending=True, stable=True).tolist()
     if mode == "none":
         return list(range(len(returns)))
@@ -352,10 +352,17 @@ def filter_groups(returns, mode="snr", p=0.9, k=0.25, score="std", include_zero=
     return sorted(g for g in order if include_zero or s[g] > 0)
 
 
+def flat(returns):
+    """[P, G] -> [P] bool: a group whose G returns are all equal carries no task signal. Said exactly: in float32
+    the mean of eight 0.9s is 6e-8 off and their std 6e-8 or 0, so (R - mean) / (std + 1e-6) would give the whole
+    group one advantage of an arbitrary sign (-0.06 for 0.9; +-0.47 for some of Sokoban's returns)."""
+    return (returns == returns[:, :1]).all(1)
+
+
 def advantages(returns, kind="grpo"):
     """Group-relative advantage per episode. returns [P, G] -> [P, G].
     grpo: (R - mean) / (std + 1e-6) (DeepSeekMath); drgrpo: R - mean (Dr.GRPO, no std scaling)."""
-    centred = returns - returns.mean(1, keepdim=True)
+    centred = (returns - returns.mean(1, keepdim=True)).masked_fill(flat(returns)[:, None], 0.0)  # (see flat)
     if kind == "drgrpo" or returns.shape[1] == 1:
         return centred
     return centred / (returns.std(1, keepdim=True) + 1e-6)

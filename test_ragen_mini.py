@@ -1030,6 +1030,19 @@ def test_advantages_closed_form():
     assert torch.allclose(rm.advantages(R, "drgrpo")[0], torch.tensor([0.5, -0.5, -0.5, 0.5]))
 
 
+def test_equal_returns_exactly_zero():
+    # returns summed the loop's way (0.9 = 1 - 0.1; Sokoban's 10 - 0.1 a move), not representable in float32: their
+    # group mean is a rounding step off, and (R - mean) / (std + 1e-6) gave the group one sizeable advantage
+    rets = [0.9, -0.3, 1 - 0.1, sum([-0.1] * 3), 10 + sum([-0.1] * 4), 10 + sum([-0.1] * 6)]
+    R = torch.tensor([[r] * 8 for r in rets])
+    for kind in ("grpo", "drgrpo"):
+        assert torch.equal(rm.advantages(R, kind), torch.zeros(len(rets), 8)), kind
+    one = torch.tensor([[0.9] * 8])  # a lone row's std reads 6e-8 (a batch of rows reads 0): no spread to the filter
+    assert rm.filter_groups(one, "snr", p=1.0, include_zero=False) == [] and rm.advantages(one).abs().max() == 0
+    assert rm.filter_groups(one, "topk", k=1.0, include_zero=False, score="var") == []
+    assert rm.filter_groups(torch.tensor([[0.9]] * 3), "topk", k=1.0, include_zero=False) == []  # G = 1: no spread
+
+
 def test_filter_top_p_rule():
     # group stds: g0 = 0, g1 = 0.5774 ([0,0,1,1]... computed below), g2 large, g3 small
     R = torch.tensor([[1.0, 1, 1, 1], [0, 0, 1, 1], [0, 10, 0, 10], [0, 0, 0, 1]])
