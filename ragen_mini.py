@@ -76,7 +76,7 @@ class Config:
     clip_high: float = 0.28  # PPO clip range above 1 (ref: clip_ratio_high; TRL: epsilon_high)
     entropy_coeff: float = 0.001  # entropy bonus on agent tokens (ref: entropy_coeff)
     kl_coef: float = 0.0  # k3 KL to the frozen start model; 0 keeps no reference model (ref: kl_loss_coef; TRL: beta)
-    weight_decay: float = 0.0  # AdamW's decoupled weight decay, the paper's third input-agnostic regulariser (veRL's default: 0.01)
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay, the paper's third input-agnostic regulariser (ref: actor.optim.weight_decay, default 0.01)
     ppo_epochs: int = 1  # optimizer steps per batch
     micro_batch: int = 8  # sequences per forward/backward, sorted by length (gradient accumulation; raise it on a GPU) (ref: ppo_micro_batch_size_per_gpu)
     grad_clip: float = 1.0  # max global grad norm
@@ -89,7 +89,7 @@ class Config:
     filter_score: str = "std"  # group score: std (reference code) or var (ref: rollout_filter_metric)
     include_zero: bool = True  # zero-spread groups may be kept: snr with p >= 1 is then no filter, topk keeps top groups even without spread (ref: rollout_filter_include_zero, default True)
     # --- diagnostics, evaluation, runs ---
-    diag_every: int = 5  # entropy + MI proxies every k steps, on the unfiltered batch
+    diag_every: int = 5  # entropy + MI proxies every k steps, on the unfiltered batch (ref: collapse_detection.compute_freq)
     mi_any_turn: bool = False  # also the MI proxies on one turn per episode, drawn uniformly, under its whole context (ref: collapse_detection.multi_turn_enabled)
     gradnorm_every: int = 0  # task / entropy / KL gradient norms by reward-variance bucket every k steps with reward spread (0 = off)
     eval_every: int = 20  # evaluation every n steps (and at the start and end)
@@ -345,7 +345,7 @@ def filter_groups(returns, mode="snr", p=0.9, k=0.25, score="std", include_zero=
     if mode == "none":
         return list(range(len(returns)))
     if mode == "topk":
-        order = order[:max(1, int(k * len(returns) + 1e-9))]  # rounded down, as the reference (+1e-9: 0.29 * 100 = 28.999...)
+        order = order[:max(1, int(k * len(returns) + 1e-9))]  # k * P rounded down (+1e-9: 0.29 * 100 is 28.999... in floats, 28 by the reference's int())
     elif p < 1:
         cum, need = torch.cumsum(s[order], 0), p * s.sum() - 0.01
         order = order[:int((cum < need).sum()) + 1] if need > 0 else []  # need <= 0: the empty prefix reaches it
