@@ -195,7 +195,7 @@ class FrozenLake(Env):
             if not self.solvable:  # wall the goal off: every neighbour becomes a hole
                 holes |= {_add(goal, m) for m in MOVES} & set(cells)
             dist = self._distances_to(goal, holes)
-            if self.solvable and dist.get(start, 99) <= self.max_turns:
+            if self.solvable and dist.get(start, math.inf) <= self.max_turns:  # (not a 99: --max-turns goes to 100)
                 break
             far = abs(start[0] - goal[0]) + abs(start[1] - goal[1])
             free = start not in holes and len(self._distances_to(start, holes)) > 1  # P can move somewhere
@@ -244,7 +244,7 @@ class FrozenLake(Env):
         """Follow a shortest safe path; on a walled-off map, a safe move that gets closer to the goal."""
         def cost(move):
             p = self._moved(self.pos, move)
-            return self.dist.get(p, 99), abs(p[0] - self.goal[0]) + abs(p[1] - self.goal[1])
+            return self.dist.get(p, math.inf), abs(p[0] - self.goal[0]) + abs(p[1] - self.goal[1])
         safe = [m for m in MOVES if self._moved(self.pos, m) not in self.holes] or list(MOVES)
         holes = [m for m in MOVES if _add(self.pos, m) in self.holes]
         think = f"P {self.pos[0]} {self.pos[1]} G {self.goal[0]} {self.goal[1]} : goal {_direction(self.pos, self.goal)} ; hole {' '.join(holes) or 'none'}"
@@ -460,6 +460,8 @@ _ARITH = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, 
 
 def countdown_value(text):
     """(exact value or None for division by zero, numbers used) of an arithmetic expression; None if malformed."""
+    if not re.fullmatch(r"[0-9+\-*/()\s]*", text):  # digits as written, as the reference's check: no 0xc, 1_2 or # comment
+        return None
     tree = _parse_expression(text, (ast.Expression, ast.BinOp, ast.Constant, *_ARITH), 100, 60)
     if tree is None or any(type(n.value) is not int for n in ast.walk(tree) if isinstance(n, ast.Constant)):
         return None

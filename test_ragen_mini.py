@@ -198,6 +198,9 @@ def test_step_reply():
 def test_make_env():
     assert make_env("frozenlake-mixed").name == "frozenlake-mixed"
     assert make_env("sokoban", max_turns=8).max_turns == 8
+    for turns in (99, 100):  # a boxed-in start must not pass the solvability check (it read as distance 99)
+        env = make_env("frozenlake", max_turns=turns)
+        assert all(env.reset(seed) and env.pos in env.dist for seed in range(50)), turns
     with pytest.raises(ValueError, match="unknown env 'nope'; choose from: frozenlake"):
         make_env("nope")
     for name in ALL:
@@ -385,7 +388,8 @@ def test_countdown_rewards():
     assert attempt("7/(5-5)", numbers=(7, 5, 5), target=1)[1] == 0.1  # division by zero: well-formed, wrong
     assert attempt("(7-1)/4*2", numbers=(7, 1, 4, 2), target=3)[1] == 1.0  # exact fractions
     assert attempt("7/2", numbers=(7, 2), target=3)[1] == 0.1  # 3.5, not 3
-    for bad in ["3*5+", "3 5 7", "x+1", "3.0*5+7", "-3+5", "3**5", "__import__('os')", "", "3*5+7 = 22"]:
+    for bad in ["3*5+", "3 5 7", "x+1", "3.0*5+7", "-3+5", "3**5", "__import__('os')", "", "3*5+7 = 22",
+                "0x3*5+7", "3*0b101+7", "3*5+0_7", "3*5+7 # 22", "٣*5+7"]:  # Python reads these as numbers; the reference's digits only
         obs, reward, done, info = attempt(bad)
         assert (reward, done, info["valid"]) == (0.0, False, False), bad
     env = make_env("countdown", max_turns=2)
