@@ -158,7 +158,9 @@ class Chat:
     The template is rendered once with placeholders; what sits between an assistant reply and the next user
     message (and after it, up to the generation prompt) is cut out, so each new turn is appended as tokens
     without re-rendering history. Assumes the template closes an assistant turn with the tokenizer's EOS
-    (ChatML, Llama-3, SmolLM2 and Qwen2.5 all do)."""
+    (ChatML, Llama-3, SmolLM2 and Qwen2.5 all do) and renders a conversation as the start of its continuation
+    (not Mistral's, which moves the system prompt to the last user turn, nor DeepSeek-R1's, whose generation prompt
+    opens a <think> that earlier turns do not show). Qwen3's drops earlier turns' reasoning: here it stays in context."""
 
     def __init__(self, tok, instruction):
         self.tok, self.system = tok, SYSTEM + instruction
@@ -167,7 +169,11 @@ class Chat:
         between = text[text.index("ASSISTANTONE") + 12: text.index("USERTWO")]
         if not between.startswith(tok.eos_token):
             raise ValueError(f"chat template does not end assistant turns with EOS {tok.eos_token!r}")
+        if not text.startswith(self.render([{"role": r, "content": c} for r, c in msgs[:2]])):
+            raise ValueError("chat template renders earlier turns otherwise once the conversation goes on (it moves the "
+                             "system prompt, or drops the <think> it opened), so turns cannot be appended to a kept KV cache")
         self.between, self.tail = between[len(tok.eos_token):], text[text.index("USERTWO") + 7:]
+        self.think = "" if self.tail.rstrip().endswith(THINK) else THINK  # a generation prompt may open <think> itself
 
     def render(self, messages):
         return self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, date_string=DATE)
@@ -177,10 +183,10 @@ class Chat:
 
     def first(self, user):  # -> tokens of system + first user message + generation prompt + "<think>"
         return self.encode(self.render([{"role": "system", "content": self.system},
-                                        {"role": "user", "content": user}]) + THINK)
+                                        {"role": "user", "content": user}]) + self.think)
 
     def next(self, user):  # -> tokens appended after the agent's EOS to open the next turn
-        return self.encode(self.between + user + self.tail + THINK)
+        return self.encode(self.between + user + self.tail + self.think)
 
 
 # ----------------------------------------------------------------------------- model

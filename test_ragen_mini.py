@@ -1095,6 +1095,35 @@ def test_chat_prompts_do_not_carry_todays_date(tiny):
     assert chat.first("Turn 1") == first and rm.DATE in tok.decode(first)
 
 
+def test_chat_refuses_templates_that_rewrite_earlier_turns_and_prefills_one_think(tiny):
+    """Turns are appended to a kept KV cache, so the template must render a conversation as the start of its
+    continuation: Mistral's moves the system prompt into the last user turn, DeepSeek-R1's drops earlier reasoning
+    (its generation prompt opens <think>, its earlier turns do not show it). A template that opens <think> in its
+    generation prompt and keeps it in earlier turns gets no second <think>."""
+    _, _, tok = tiny
+    tok = copy.deepcopy(tok)
+    mistral = ("{% for m in messages %}{% if m['role'] == 'user' %}[INST] {% if loop.last and messages[0]['role'] == "
+               "'system' %}{{ messages[0]['content'] }}\n\n{% endif %}{{ m['content'] }}[/INST]{% elif m['role'] == "
+               "'assistant' %} {{ m['content'] }}<|im_end|>{% endif %}{% endfor %}")
+    deepseek = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}{% elif m['role'] == 'user' %}"
+                "<User>{{ m['content'] }}{% else %}<Assistant>{{ m['content'] }}<|im_end|>{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}<Assistant><think>\n{% endif %}")
+    for template in (mistral, deepseek):
+        tok.chat_template = template
+        with pytest.raises(ValueError, match="renders earlier turns otherwise"):
+            rm.Chat(tok, "Go.")
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}<think>\n"
+                         "{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+    chat = rm.Chat(tok, "Go.")
+    for piece in (chat.first("Turn 1"), chat.next("Turn 2")):
+        assert tok.decode(piece).count(rm.THINK) == 1 and tok.decode(piece).rstrip().endswith(rm.THINK)
+    ids = chat.first("U1") + chat.encode(" z </think> <answer> up </answer>") + [tok.eos_token_id] + chat.next("U2")
+    messages = [{"role": "system", "content": chat.system}, {"role": "user", "content": "U1"},
+                {"role": "assistant", "content": " z </think> <answer> up </answer>"}, {"role": "user", "content": "U2"}]
+    assert tok.decode(ids) == chat.render(messages)  # the appended pieces are what the template renders
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """An untrained tiny policy (no warm start), built the same way as the real one."""
