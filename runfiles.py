@@ -152,8 +152,10 @@ def defaults(cfg):
 def run_dir(cfg):
     """OUT/<name>; the default name is <env>-<filter>-s<seed>-<hash of the settings that differ from the defaults>,
     so a setting added to Config later (a fork's new flag) leaves the names of earlier runs as they were."""
-    default = defaults(cfg)
-    changed = {k: v for k, v in run_key(cfg).items() if v != default.get(k)}
+    default, key = defaults(cfg), run_key(cfg)
+    if cfg.reg_scale_from:  # a path names the same run however it is spelt, as resume() compares it
+        key["reg_scale_from"] = os.path.realpath(os.path.expanduser(cfg.reg_scale_from))
+    changed = {k: v for k, v in key.items() if v != default.get(k)}
     tag = hashlib.sha1(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:6]
     return os.path.join(os.path.expanduser(cfg.out), cfg.name or f"{cfg.env}-{cfg.filter}-s{cfg.seed}-{tag}")
 
@@ -226,7 +228,7 @@ def resume(cfg, out, device):
             assert isinstance(old, dict)
         except (ValueError, AssertionError):  # cut mid-write by a crash of an older version (it is written whole now)
             raise FileExistsError(f"{cfg_path} is unreadable, so this run's settings cannot be checked: {remedy}") from None
-        same = lambda k, a, b: a == b or k == "reg_scale_from" and bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
+        same = lambda k, a, b: a == b or k == "reg_scale_from" and bool(a and b) and os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
         was = defaults(cfg) | old  # a setting the older run did not record (added to Config since) had its default
         changed = sorted(k for k, v in run_key(cfg).items() if not same(k, was.get(k), v))  # (a path: however it is spelt)
         if changed:
@@ -268,6 +270,7 @@ def kept_fractions(path, steps=None):
     step that run skipped (nothing kept, or a non-finite loss: its regularisers did not act) reads 0.
     A missing file raises OSError; a file that is not such a log, or one without a row for every step of
     range(steps), ValueError: never a silent scale of 1. A last line cut mid-write is left out, as read_log does."""
+    path = os.path.expanduser(path)  # (--reg-scale-from=~/...: no shell expands that ~)
     if os.path.exists(path) and not os.path.isfile(path):  # a folder, a FIFO (reading one would block), a device
         raise ValueError(f"{path} is not a file: give a run's log.jsonl")
     with open(path) as f:
@@ -332,15 +335,18 @@ def finish(cfg, out, model, tok, state, quiet=False):
         if problem:
             print(f"note: {problem}: no {policy} folder; the trained weights are in {os.path.join(out, 'ckpt.pt')}")
     rows = read_log(log_path)
-    final = next((r["eval_success"] for r in reversed(rows) if "eval_success" in r), state["eval0"])
+    last = next((r for r in reversed(rows) if "eval_success" in r), None)  # a finished run evaluates its last step
+    final = last["eval_success"] if last else state["eval0"]
+    early = bool(rows) and last is not rows[-1]  # a run cut short by a lower --steps than it was started with
     pairs = list(zip(state.get("maps0", []), state.get("maps", [])))  # the same held-out maps, before and after
     gained, lost = sum(b and not a for a, b in pairs), sum(a and not b for a, b in pairs)
     summary = dict(out=out, eval_start=state["eval0"], eval_final=final, alarm=state["alarm"], steps=len(rows),
                    skipped=sum(r.get("skipped", 0) for r in rows), sec=sum(r.get("sec", 0.0) for r in rows),
                    gained=gained, lost=lost, p_sign=metrics.sign_test(gained, lost))
     if not quiet:
+        note = f" (its last evaluation, {'at step ' + str(last['step']) if last else 'the start'}: the run stopped before its last step's; a larger --steps trains on)"
         paired = f" (of the same {len(pairs)} held-out tasks, {gained} newly solved and {lost} newly failed: sign test p = {summary['p_sign']:.2g})"
-        print(f"done: eval success {summary['eval_start']:.3f} ({'warm ' * (cfg.model == 'tiny')}start) -> {final:.3f} after {summary['steps']} steps"
+        print(f"done: eval success {summary['eval_start']:.3f} ({'warm ' * (cfg.model == 'tiny')}start) -> {final:.3f} after {summary['steps']} steps{early * note}"
               f"{paired * bool(pairs)}; {summary['skipped']} skipped updates; {summary['sec']:.0f}s; {'logs in ' + log_path if rows else 'nothing logged (no steps)'}"
               f"{', the policy in ' + policy if os.path.isdir(policy) else ''}")
     return summary

@@ -1775,6 +1775,15 @@ def test_resume_takes_the_control_runs_log_path_however_it_is_spelt(tmp_path, mo
         assert runfiles.resume(dataclasses.replace(cfg, reg_scale_from=spelt), out, "cpu")["step"] == 1
     with pytest.raises(FileExistsError, match=r"other settings \(reg_scale_from\)"):
         runfiles.resume(dataclasses.replace(cfg, reg_scale_from=os.path.join("runs", "other", "log.jsonl")), out, "cpu")
+    # a default-named run too: its name hashes the path as resume() compares it (and a ~ that no shell expanded)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    named = lambda path: runfiles.run_dir(rm.Config(out="runs", reg_scale_from=path))
+    spellings = ["runs/b/log.jsonl", "./runs//b/log.jsonl", str(tmp_path / "runs" / "b" / "log.jsonl"), "~/runs/b/log.jsonl"]
+    assert len({named(p) for p in spellings}) == 1 and named("runs/other/log.jsonl") != named(spellings[0])
+    assert runfiles.resume(dataclasses.replace(cfg, reg_scale_from="~/runs/b/log.jsonl"), out, "cpu")["step"] == 1
+    os.makedirs(tmp_path / "runs" / "b")
+    runfiles.write_log(str(tmp_path / "runs" / "b" / "log.jsonl"), [{"step": 0, "kept_frac": 0.5}])
+    assert runfiles.kept_fractions("~/runs/b/log.jsonl", 1) == {0: 0.5}
 
 
 def test_resume_drops_the_log_rows_after_its_checkpoint(tmp_path):
@@ -1968,6 +1977,13 @@ def test_the_done_line_counts_the_held_out_maps_each_way(tmp_path, capsys):
     assert (s["gained"], s["lost"], s["p_sign"], s["eval_start"], s["eval_final"]) == (2, 1, 1.0, 0.4, 0.6)
     assert ("0.400 (warm start) -> 0.600 after 1 steps (of the same 5 held-out tasks, 2 newly solved and 1 newly failed: "
             "sign test p = 1);") in capsys.readouterr().out
+    # a run stopped at step 2 of 8 and rerun with --steps 2 ends there, its last step never evaluated: said so
+    runfiles.write_log(str(tmp_path / "log.jsonl"), [{"step": 1, "sec": 1.0}], "a")
+    runfiles.finish(rm.parse_args(["--steps", "0"]), str(tmp_path), None, None, state)
+    assert "0.600 after 2 steps (its last evaluation, at step 0: the run stopped before its last step's" in capsys.readouterr().out
+    runfiles.write_log(str(tmp_path / "log.jsonl"), [{"step": 0, "sec": 1.0}], "w")
+    runfiles.finish(rm.parse_args(["--steps", "0"]), str(tmp_path), None, None, {"eval0": 0.4, "alarm": False})
+    assert "0.400 after 1 steps (its last evaluation, the start: the run stopped" in capsys.readouterr().out
 
 
 def test_cli_end_to_end_and_resume(tmp_path):
