@@ -164,12 +164,13 @@ class Chat:
 
     def __init__(self, tok, instruction):
         self.tok, self.system = tok, SYSTEM + instruction
-        msgs = [("system", self.system), ("user", "USERONE"), ("assistant", "ASSISTANTONE"), ("user", "USERTWO")]
-        text = self.render([{"role": r, "content": c} for r, c in msgs])
+        msgs = [{"role": r, "content": c} for r, c in [("system", self.system), ("user", "USERONE"),
+                                                        ("assistant", "ASSISTANTONE"), ("user", "USERTWO")]]
+        text = self.render(msgs)
         between = text[text.index("ASSISTANTONE") + 12: text.index("USERTWO")]
         if not between.startswith(tok.eos_token):
             raise ValueError(f"chat template does not end assistant turns with EOS {tok.eos_token!r}")
-        if not text.startswith(self.render([{"role": r, "content": c} for r, c in msgs[:2]])):
+        if not text.startswith(self.render(msgs[:2])):
             raise ValueError("chat template renders earlier turns otherwise once the conversation goes on (it moves the "
                              "system prompt, or drops the <think> it opened), so turns cannot be appended to a kept KV cache")
         self.between, self.tail = between[len(tok.eos_token):], text[text.index("USERTWO") + 7:]

@@ -149,12 +149,15 @@ def defaults(cfg):
     return asdict(type(cfg)())
 
 
+def same_file(path):
+    """A path as the file it names, however it is spelt (~, ./, //, relative or absolute); '' stays ''."""
+    return os.path.realpath(os.path.expanduser(path)) if path else path
+
+
 def run_dir(cfg):
     """OUT/<name>; the default name is <env>-<filter>-s<seed>-<hash of the settings that differ from the defaults>,
     so a setting added to Config later (a fork's new flag) leaves the names of earlier runs as they were."""
-    default, key = defaults(cfg), run_key(cfg)
-    if cfg.reg_scale_from:  # a path names the same run however it is spelt, as resume() compares it
-        key["reg_scale_from"] = os.path.realpath(os.path.expanduser(cfg.reg_scale_from))
+    default, key = defaults(cfg), run_key(cfg) | {"reg_scale_from": same_file(cfg.reg_scale_from)}  # as resume() compares it
     changed = {k: v for k, v in key.items() if v != default.get(k)}
     tag = hashlib.sha1(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:6]
     return os.path.join(os.path.expanduser(cfg.out), cfg.name or f"{cfg.env}-{cfg.filter}-s{cfg.seed}-{tag}")
@@ -228,7 +231,7 @@ def resume(cfg, out, device):
             assert isinstance(old, dict)
         except (ValueError, AssertionError):  # cut mid-write by a crash of an older version (it is written whole now)
             raise FileExistsError(f"{cfg_path} is unreadable, so this run's settings cannot be checked: {remedy}") from None
-        same = lambda k, a, b: a == b or k == "reg_scale_from" and bool(a and b) and os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
+        same = lambda k, a, b: a == b or k == "reg_scale_from" and same_file(a) == same_file(b)
         was = defaults(cfg) | old  # a setting the older run did not record (added to Config since) had its default
         changed = sorted(k for k, v in run_key(cfg).items() if not same(k, was.get(k), v))  # (a path: however it is spelt)
         if changed:
