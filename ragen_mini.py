@@ -168,8 +168,8 @@ class Chat:
                                                         ("assistant", "ASSISTANTONE"), ("user", "USERTWO")]]
         text = self.render(msgs)
         between = text[text.index("ASSISTANTONE") + 12: text.index("USERTWO")]
-        if not between.startswith(tok.eos_token):
-            raise ValueError(f"chat template does not end assistant turns with EOS {tok.eos_token!r}")
+        if not tok.eos_token or not between.startswith(tok.eos_token):
+            raise ValueError(f"chat template does not end assistant turns with the tokenizer's EOS ({tok.eos_token!r})")
         if not text.startswith(self.render(msgs[:2])):
             raise ValueError("chat template renders earlier turns otherwise once the conversation goes on (it moves the "
                              "system prompt, or drops the <think> it opened), so turns cannot be appended to a kept KV cache")

@@ -315,6 +315,9 @@ def export(model, tok, path):
     """The policy and its tokenizer as a Hugging Face folder at path, moved in whole (resume() removed any older
     one, so a cut export leaves none, and train() exports again). -> None, or why this model cannot be saved so."""
     shutil.rmtree(path + ".tmp", ignore_errors=True)
+    q = getattr(model, "hf_quantizer", None)  # a GGUF file is unpacked to plain fp32 weights as it loads (no kernels),
+    if q is not None and all(t.is_floating_point() for t in model.state_dict().values()):  # but keeps the quantizer's
+        q.remove_quantization_config(model)  # marker, which refuses the save: those weights save as any model's
     try:
         model.save_pretrained(path + ".tmp")
     except ValueError as e:  # transformers: "The model is quantized with gguf and is not serializable - ..."

