@@ -457,6 +457,9 @@ def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
             opt.zero_grad(set_to_none=True)
             return dict(stats, loss=float("nan"), epochs_stepped=epoch)  # --ppo-epochs > 1: earlier epochs' steps stand
         opt.step()
+        if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():  # a finite gradient times an --lr far too high
+            raise FloatingPointError(f"the optimizer step left non-finite weights (--lr {cfg.lr:g} is far too high); stopped "
+                                     "before they were saved: the last checkpoint stands (a lower --lr starts a new run)")
     return stats
 
 

@@ -53,7 +53,9 @@ def settings_problem(cfg):
     rules += [(f, f">= {n}", getattr(c, f) >= n) for fs, n in ((ones, 1), (zeros, 0)) for f in fs]
     rules += [("group_size", ">= 2 (one sample has no group to be relative to: every advantage would be 0)", c.group_size >= 2),
               ("grad_clip", "> 0", c.grad_clip > 0), ("filter_p", "> 0", c.filter_p > 0), ("filter_k", "in (0, 1]", 0 < c.filter_k <= 1),
-              ("clip_low", "in [0, 1)", 0 <= c.clip_low < 1), ("seed", "in [0, 2**32)", 0 <= c.seed < 2**32),
+              ("clip_low", "in [0, 1)", 0 <= c.clip_low < 1), ("clip_high", "< 1e38 (float32's range; 1e9 never clips)", c.clip_high < 1e38),
+              ("groups", "such that --groups x --group-size is at most 10**6 episodes a step", c.groups * c.group_size <= 10**6),
+              ("eval_episodes", "at most 10**6", c.eval_episodes <= 10**6), ("seed", "in [0, 2**32)", 0 <= c.seed < 2**32),
               ("weight_decay", "< 1 / --lr (AdamW scales each weight by 1 - lr * weight_decay a step)",  # (a NaN --lr: its own rule)
                not (math.isfinite(c.lr) and math.isfinite(c.weight_decay)) or c.lr * c.weight_decay < 1),
               ("temperature", "> 0 (greedy samples of a group are all alike: no spread to learn from)", c.temperature > 0),
@@ -78,6 +80,8 @@ def settings_problem(cfg):
             files = os.listdir(folder)
         except OSError as e:
             return f"--model {cfg.model}: {e.strerror}"
+        if "log.jsonl" in files:  # a run's folder: its config.json holds the run's settings, not a model's
+            return f"--model {cfg.model} is a run's folder: its trained policy is {os.path.join(cfg.model, 'model')}"
         if not any(f == "config.json" or f.endswith(".gguf") for f in files):
             return f"--model {cfg.model}: the folder holds no model (no config.json, no .gguf file)"
     runs = plotted(cfg)  # the runs to plot: each a folder whose log has a step
@@ -131,11 +135,14 @@ def plotted(cfg):
 
 
 def logged(run):
-    """A run's log rows ([] when it has none), or the exception that reading it raised."""
+    """A run's log rows ([] when it has none), or the exception that reading it raised; a row without the success and
+    kept_frac that every step logs (and --plot reads) is a ValueError too."""
     try:
-        return read_log(os.path.join(run, "log.jsonl"))
+        rows = read_log(os.path.join(run, "log.jsonl"))
     except (OSError, ValueError) as e:
         return e
+    bad = next((r["step"] for r in rows if not all(type(r.get(k)) in (int, float) for k in ("success", "kept_frac"))), None)
+    return rows if bad is None else ValueError(f"its step {bad} has no success or kept_frac (edited by hand?)")
 
 
 def run_key(cfg):

@@ -1858,6 +1858,9 @@ def test_resume_names_a_log_line_edited_by_hand(tmp_path):
     (dict(demo=True, bench=True), "--bench must be left out with --demo"),  # it ran the demo without a word
     (dict(name=" "), "--name must be one folder name (no '/', not '.', '..' or blank)"),  # trained into runs/' '
     (dict(model=""), "--model must be 'tiny', a hub id or a model folder"),  # was refused by the hub, after the folder was made
+    (dict(clip_high=1e39), "--clip-high must be < 1e38"),  # float32 overflowed in the loss, after the start's evaluation
+    (dict(groups=10**6), "--groups must be such that --groups x --group-size is at most 10**6"),  # grew until killed
+    (dict(eval_episodes=10**7), "--eval-episodes must be at most 10**6"),
 ])
 def test_flag_rules(change, message):
     assert runfiles.flag_problem(rm.Config()) is None
@@ -2048,6 +2051,7 @@ def test_run_exports_its_final_policy_and_it_loads_back_as_a_model(tmp_path, cap
     summary, model, tok = rm.train(rm.parse_args(args), quiet=True)
     path = os.path.join(summary["out"], "model")
     back = rm.parse_args(args + ["--model", path])  # the folder exists: the flag check lets it through
+    assert f"is a run's folder: its trained policy is {path}" in runfiles.flag_problem(rm.Config(model=summary["out"]))  # (its config.json is the run's)
     capsys.readouterr()
     model2, tok2 = rm.load_policy(back, torch.device("cpu"))
     assert "note: a turn gets the env's 32 tokens" in capsys.readouterr().out  # a real model may want more
@@ -2338,13 +2342,15 @@ def test_plot_draws_and_tabulates_any_runs(tmp_path, monkeypatch, capsys, matplo
 def test_plot_takes_runs_with_a_step_and_refuses_the_rest(tmp_path, capsys):
     """A folder of runs stands for the runs below it that have logged a step (a demo's, one level deeper, included;
     one that has just started, left out); an empty --plot, or a log that is not a run's, is refused in one line."""
-    for run, text in [("demos/demo-s0/a", '{"step": 0, "success": 0.5}\n'), ("started", '{"step": 0, "succ'),
-                      ("other", '{"foo": 1}\n'), ("b", '{"step": 0, "success": 0.25}\n')]:
+    for run, text in [("demos/demo-s0/a", '{"step": 0, "success": 0.5, "kept_frac": 1}\n'), ("started", '{"step": 0, "succ'),
+                      ("other", '{"foo": 1}\n'), ("b", '{"step": 0, "success": 0.25, "kept_frac": 1}\n'),
+                      ("edited/x", '{"step": 0, "success": 0.25, "kept_frac": 1}\n{"step": 1, "success": "0.5", "kept_frac": 1}\n')]:
         (tmp_path / run).mkdir(parents=True)
         (tmp_path / run / "log.jsonl").write_text(text)
     assert runfiles.plotted(rm.parse_args(["--plot", f"{tmp_path}/demos,{tmp_path}/b"])) == [f"{tmp_path}/demos/demo-s0/a", f"{tmp_path}/b"]
     for arg, message in [("", "--plot needs a run folder"), (" , ", "--plot needs a run folder"), (str(tmp_path / "started"), "no run there"),
-                         (str(tmp_path / "other"), "is not a run's log"), (str(tmp_path), "is not a run's log")]:  # the last: other/ is below it
+                         (str(tmp_path / "other"), "is not a run's log"), (str(tmp_path), "is not a run's log"),  # other/ is below it
+                         (str(tmp_path / "edited"), "its step 1 has no success or kept_frac")]:  # --plot read it: a TypeError
         with pytest.raises(SystemExit):
             rm.parse_args(["--plot", arg])
         assert message in capsys.readouterr().err, arg
@@ -2524,6 +2530,27 @@ def test_empty_filter_and_nan_loss_skip_the_update(tmp_path, monkeypatch):
     with open(os.path.join(summary["out"], "log.jsonl")) as f:  # strict JSON (jq, JSON.parse): the NaN loss is null
         rows = [json.loads(l, parse_constant=strict) for l in f]
     assert [r["loss"] for r in rows] == [None, None] and all(r["skipped"] == 1 for r in rows)
+
+
+def test_an_optimizer_step_to_non_finite_weights_stops_before_they_are_saved(tmp_path, monkeypatch, capsys):
+    """A finite gradient times an --lr far too high can step the weights to inf: the run stops with a message before
+    they reach a checkpoint (one used to save them, and every rerun then failed in sampling), and its rerun resumes."""
+    args = SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c")]
+    rm.train(rm.parse_args(args + ["--steps", "1"]), quiet=True)
+    real = torch.optim.AdamW.step
+    def blow_up(opt, *a, **k):
+        real(opt, *a, **k)
+        opt.param_groups[0]["params"][0].data.fill_(math.inf)
+    monkeypatch.setattr(torch.optim.AdamW, "step", blow_up)
+    with pytest.raises(SystemExit, match="FloatingPointError: the optimizer step left non-finite weights"):
+        rm.main(args)
+    out = runfiles.run_dir(rm.parse_args(args))
+    c = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert c["step"] == 1 and all(v.isfinite().all() for v in c["model"].values())
+    assert [r["step"] for r in runfiles.read_log(os.path.join(out, "log.jsonl"))] == [0]
+    monkeypatch.undo()
+    summary, _, _ = rm.train(rm.parse_args(args), quiet=True)
+    assert summary["steps"] == 2 and "resuming" in capsys.readouterr().out
 
 
 def test_gradient_buckets_only_on_steps_with_reward_spread(tmp_path, monkeypatch):
