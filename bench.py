@@ -123,7 +123,7 @@ def plain_step_time(model, seqs, cfg, own_kernels=False):
     batch through the full LM head. own_kernels: the update's own kernels instead (its length-sorted micro-batches,
     the LM head on the agent's tokens only), so update / this = the cost of the GRPO terms (clipped ratio,
     full-softmax entropy, KL's reference forward) and of the code around them."""
-    model = copy.deepcopy(model).train()
+    model = copy.deepcopy(model).eval()  # dropout off, as update() runs
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))  # as update() orders them
     chunks = [order[i:i + cfg.micro_batch] for i in range(0, len(seqs), cfg.micro_batch)] if own_kernels else [order]
@@ -170,7 +170,6 @@ def main(cfg, iters=4):
         t1 = time.perf_counter()
         rm.diagnostics(model, tok, eps, G, ema, cfg.temperature, random.Random(it) if cfg.mi_any_turn else None)  # as the loop
         t_diag = (time.perf_counter() - t1) / cfg.diag_every  # amortised over the diagnostics period
-        model.train()
         adv = rm.advantages(R, cfg.adv).flatten().to(device)
         rule = cfg.filter if cfg.filter != "none" else "snr"  # the filtered update: --filter's rule (snr by default)
         kept = rm.filter_groups(R, rule, cfg.filter_p, cfg.filter_k, cfg.filter_score, cfg.include_zero)

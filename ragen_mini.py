@@ -19,6 +19,7 @@ Deviations from the paper / reference code (veRL-based RAGEN), all deliberate:
     --ppo-epochs > 1; old log-probs come from the fp32 sampler (equal to a recompute up to rounding); in bf16 on a
     GPU the training forward recomputes them (veRL always recomputes);
   * on a GPU: fp32 weights and optimizer state, bf16 autocast (mixed precision);
+  * dropout off throughout RL, the update included (eval mode), so the loss scores tokens as the sampler did;
   * the rollout's KV cache is kept across turns: each turn encodes only the new environment message;
   * the default model is an embedded tiny Llama warm-started on expert traces (no hub access needed);
   * filter score is the group reward *std* (reference code); --filter-score var gives the ports' variant;
@@ -414,10 +415,8 @@ def loss_terms(model, ref, batch, adv, cfg):
 @torch.no_grad()
 def training_logprobs(model, seqs, order, cfg):
     """The agent tokens' log-probs under the training forward, in update()'s micro-batches. -> seqs with them as old
-    log-probs. Under bf16 the KV-cached sampler and this forward round differently, so pi / pi_old would not start at 1.
-    In eval mode, as the sampler ran: a model with dropout would otherwise get noisy old log-probs."""
+    log-probs. Under bf16 the KV-cached sampler and this forward round differently, so pi / pi_old would not start at 1."""
     out = list(seqs)
-    model.eval()
     for i in range(0, len(seqs), cfg.micro_batch):
         idx = order[i:i + cfg.micro_batch]
         ids, _, mask = pad_right([seqs[j][:2] for j in idx], 0, model.device)
@@ -425,7 +424,6 @@ def training_logprobs(model, seqs, order, cfg):
         old[:, 1:][sel] = agent_logprobs(model, ids, sel, cfg.temperature).gather(-1, ids[:, 1:][sel][:, None])[:, 0]
         for k, j in enumerate(idx):
             out[j] = tuple(seqs[j][:2]) + (old[k, :len(seqs[j][0])].tolist(),)
-    model.train()  # update() trains in train mode
     return out
 
 
@@ -433,6 +431,7 @@ def training_logprobs(model, seqs, order, cfg):
 def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
     """One GRPO update on the kept episodes: micro-batched, token-mean over the whole batch. -> stats."""
     dev, total = model.device, sum(sum(s[1]) for s in seqs)
+    model.eval()  # dropout off (GPT-2, OPT, Phi-2 ship with it), as the sampler ran: else pi / pi_old starts off 1 (TRL: disable_dropout)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))  # similar lengths share a micro-batch: less padding
     if torch.is_autocast_enabled(dev.type):  # bf16: pi_old from the forward the loss uses (in fp32 the sampler's are equal)
         seqs = training_logprobs(model, seqs, order, cfg)
@@ -509,6 +508,7 @@ def grad_norms_by_bucket(model, ref, seqs, returns, cfg, n_buckets=3):
     entropy-bonus and KL gradients separately (separate backward passes, no optimizer step). The task term uses the
     rewards' advantages even under --reg-only, which zeroes them in the update: it shows the signal the ablation drops."""
     P, G = returns.shape
+    model.eval()  # dropout off, as update() runs
     out, params = {}, [p for p in model.parameters() if p.requires_grad]
     adv = advantages(returns, cfg.adv).flatten()
     if torch.is_autocast_enabled(model.device.type):  # bf16: pi_old from the training forward, as update() takes it
@@ -588,7 +588,6 @@ def train_locked(cfg, out, quiet):
                                f"while token entropy holds ({log['token_entropy']:.3f} vs {state['ent0']:.3f})")
                 state["alarm"] = True
                 log["alarm"] = 1
-        model.train()
         if cfg.gradnorm_every and step % cfg.gradnorm_every == 0 and R.var(1).max() > 0:  # no spread: buckets are arbitrary
             log |= grad_norms_by_bucket(model, ref, seqs, R, cfg)
         # 4. SNR-aware filter: keep whole groups with the largest reward spread

@@ -1332,6 +1332,20 @@ def test_weight_decay_is_a_regulariser_the_control_run_scales(tiny):
         assert torch.allclose(m.model.norm.weight, w0 * (1 - 0.1 * 0.5 * scale))  # zero gradient: AdamW's step is 0
 
 
+def test_the_update_runs_with_dropout_off(tiny):
+    """update() and the gradient buckets run the model in eval mode, as the sampler ran it: with dropout on (GPT-2, OPT
+    and Phi-2 ship with it) pi / pi_old would start off 1 and the clip would act on noise."""
+    cfg, model, tok = tiny
+    torch.manual_seed(4)
+    eps = rm.rollout(model, tok, cfg, [31, 32], 2, 1.0)
+    seqs = [(e["ids"], e["mask"], e["logp"]) for e in eps]
+    m, modes = copy.deepcopy(model).train(), []
+    m.base_model.register_forward_pre_hook(lambda mod, args: modes.append(mod.training))  # agent_logits runs the base model
+    rm.update(m, None, torch.optim.SGD(m.parameters(), lr=0.0), seqs, torch.tensor([1.0, -1.0, 1.0, -1.0]), cfg)
+    rm.grad_norms_by_bucket(m.train(), None, seqs, torch.tensor([[1.0, 0.0], [1.0, 1.0]]), cfg)
+    assert len(modes) >= 3 and not any(modes)
+
+
 def test_a_non_finite_later_ppo_epoch_keeps_the_steps_before_it(tiny, monkeypatch):
     """--ppo-epochs 3 with a NaN loss in epoch 2: epoch 1's optimizer step stands and update() says how many stepped
     (the loop used to log the whole step as skipped)."""
