@@ -115,8 +115,20 @@ def model_problem(model, tok, chat, agent_logits):
         if not torch.allclose(model(input_ids=probe).logits[0].float(), agent_logits(model, probe, probe >= 0).float(), rtol=1e-2, atol=1e-2):
             return "its forward changes the logits after the LM head (e.g. softcapping): not supported"
     c = model.config.to_dict()  # a window counts cache slots, and the rollout's cache holds padding: a row sees too little
-    if c.get("sliding_window") and c.get("use_sliding_window", True) or set(c.get("layer_types") or []) - {"full_attention"}:
-        return "sliding-window attention is not supported (the rollout's KV cache holds padding)"
+    other = sorted(set(c.get("layer_types") or []) - {"full_attention"})
+    if c.get("sliding_window") and c.get("use_sliding_window", True) or other:
+        return f"{', '.join(other) or 'sliding-window attention'} layers are not supported (the rollout's KV cache holds padding)"
+    x = tok("<think> I check the cache </think>").input_ids  # the kept cache holds padding between turns: two masked pads
+    holed = dict(input_ids=torch.tensor([x[:2] + [tok.pad_token_id] * 2 + x[2:]]), attention_mask=torch.tensor([[1, 1, 0, 0] + [1] * (len(x) - 2)]),
+                 position_ids=torch.tensor([[0, 1, 1, 1] + list(range(2, len(x)))]))  # positions from the mask, as generate() gives them
+    try:
+        with torch.no_grad():
+            same = torch.allclose(model(input_ids=torch.tensor([x], device=model.device)).logits[0, 2:].float(),
+                                  model(**{k: v.to(model.device) for k, v in holed.items()}).logits[0, 4:].float(), rtol=1e-3, atol=1e-3)
+    except Exception:  # a forward that takes no position_ids or mask
+        same = False
+    if not same:  # MPT's ALiBi counts key indices; recurrent or convolutional layers (Mamba, Jamba) fold padding into their state
+        return "its output changes with masked padding between tokens (ALiBi by index, recurrent layers): not supported (the rollout's KV cache holds padding)"
     return None
 
 

@@ -2781,10 +2781,24 @@ def test_model_with_sliding_window_attention_is_refused(tiny, tmp_path):
                                          num_attention_heads=2, num_key_value_heads=2, sliding_window=window,
                                          pad_token_id=tok.pad_token_id)).save_pretrained(tmp_path / name)
         tok.save_pretrained(tmp_path / name)
-    with pytest.raises(SystemExit, match="sliding-window attention is not supported"):
+    with pytest.raises(SystemExit, match="sliding-window attention layers are not supported"):
         rm.load_policy(rm.parse_args(["--model", str(tmp_path / "window")]), torch.device("cpu"))
     model, _ = rm.load_policy(rm.parse_args(["--model", str(tmp_path / "none")]), torch.device("cpu"))
     assert type(model).__name__ == "MistralForCausalLM"
+    model.config.layer_types = ["full_attention", "conv"]  # a hybrid (LFM2): its other layers are named
+    assert runfiles.model_problem(model, tok, rm.Chat, rm.agent_logits).startswith("conv layers are not supported")
+
+
+def test_model_whose_output_changes_with_masked_padding_is_refused(tiny):
+    """The kept KV cache holds masked padding between turns, positions taken from the mask. MPT builds ALiBi from key
+    indices and ignores position_ids (a random one: sampler and fresh log-probs 0.6 apart), so it is refused by a probe
+    that puts two masked pads inside a sequence; a Llama (rotary positions from position_ids) passes it."""
+    from transformers import MptConfig, MptForCausalLM
+    _, model, tok = tiny
+    torch.manual_seed(0)
+    mpt = MptForCausalLM(MptConfig(vocab_size=len(tok), d_model=32, n_heads=2, n_layers=1, initializer_range=0.2)).eval()
+    assert "changes with masked padding between tokens" in runfiles.model_problem(mpt, tok, rm.Chat, rm.agent_logits)
+    assert runfiles.model_problem(model, tok, rm.Chat, rm.agent_logits) is None
 
 
 def test_model_folder_under_home_loads_with_a_tilde(tiny, tmp_path, monkeypatch):
