@@ -3,7 +3,8 @@
 Every environment is a plain class with the same four methods (see `Env`): `reset(seed)` builds an instance
 deterministically from the seed and returns the observation text, `step(action)` applies ONE action string,
 `render()` shows the current observation, and `expert()` returns a short input-grounded reasoning plus the
-action that solves the instance (used for the supervised warm start and in the tests).
+next action, from the current state, that leads to solving the instance (called once per turn: the supervised warm
+start and the tests play it to the end).
 
 The agent replies `<think> ... </think> <answer> a1 || a2 </answer>`; `parse_reply` splits that and
 `step_reply` applies up to `max_actions` (default 2) actions. A malformed reply, or one with invalid actions,
@@ -84,7 +85,9 @@ class Env:
     """What every environment provides. Subclasses implement reset, render, expert and `_apply`.
 
     `_apply(action)` changes the state for one valid action and returns its reward, or returns None (and
-    changes nothing) for an invalid action. It sets `self.done` / `self.success` when the episode ends.
+    changes nothing) for an invalid action. It sets `self.done` / `self.success` when the episode ends, and reset
+    clears them. A reply may carry up to --max-actions actions, each one step: a game with a budget of moves or
+    guesses counts them itself. `__init__` takes `max_turns` (make_env passes it); `name` is the env's key in ENVS.
     """
     name = "env"
     instruction = ""  # the task and the action syntax, for the system prompt

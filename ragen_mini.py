@@ -582,7 +582,7 @@ def train_locked(cfg, out, quiet):
         if math.isfinite(log.get("mi", math.nan)):  # (a non-finite reading neither starts nor fires the alarm)
             state["mi0"] = state["mi0"] if state["mi0"] is not None else log["mi"]
             state["ent0"] = state["ent0"] if state["ent0"] is not None else log["token_entropy"]
-            if log["mi"] < 0.5 * state["mi0"] and state["mi0"] > 0 and log["token_entropy"] >= 0.8 * state["ent0"]:
+            if log["mi"] < 0.5 * state["mi0"] and state["mi0"] > 0.05 and log["token_entropy"] >= 0.8 * state["ent0"]:  # (MI near 0 at the start: nothing to lose)
                 if not state["alarm"]:
                     tqdm.write(f"COLLAPSE ALARM step {step}: MI {log['mi']:.3f} < 50% of its start {state['mi0']:.3f} "
                                f"while token entropy holds ({log['token_entropy']:.3f} vs {state['ent0']:.3f})")

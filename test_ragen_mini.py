@@ -1696,6 +1696,8 @@ nan = float("nan")
     ([(1, 2), (0.4, 2), (0.3, 2)], [None, 1, 1]),  # fires, and is printed once
     ([(nan, 2), (1, 2), (0.4, 2)], [None, None, 1]),  # the first finite reading is the start
     ([(-0.1, 2), (-1, 2), (-2, 2)], [None, None, None]),  # an MI that starts at or below 0 cannot halve
+    ([(0.049, 2), (0.0, 2), (-0.01, 2)], [None, None, None]),  # one that starts near 0 (a task barely learnt) has nothing to lose
+    ([(0.051, 2), (0.0, 2), (0.0, 2)], [None, 1, 1]),
     ([(1, 2), (0.45, 1.6), (0.45, 1.6)], [None, 1, 1]),  # entropy at exactly 80% of its start still holds
 ])
 def test_collapse_alarm_over_three_steps(readings, alarms, tmp_path, monkeypatch, capsys):
