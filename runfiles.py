@@ -110,21 +110,22 @@ def model_problem(model, tok, chat, agent_logits):
         chat(tok, "")  # it needs a chat template that closes assistant turns with EOS
     except ValueError as e:
         return str(e).splitlines()[0]
-    probe = torch.tensor([tok("<think> check").input_ids], device=model.device)  # agent_logits() applies the LM head itself
-    with torch.no_grad():  # rtol: in bf16 a logit near 30 moves in steps of 0.125; a softcap at 30 moves it by 7
-        if not torch.allclose(model(input_ids=probe).logits[0].float(), agent_logits(model, probe, probe >= 0).float(), rtol=1e-2, atol=1e-2):
+    x = tok("<think> I check the cache </think>").input_ids  # one probe for both forward checks below
+    t = lambda rows: torch.tensor(rows, device=model.device)
+    probe = t([x])
+    with torch.no_grad():  # agent_logits() applies the LM head itself
+        plain = model(input_ids=probe).logits[0].float()  # rtol: in bf16 a logit near 30 moves in steps of 0.125; a softcap at 30 moves it by 7
+        if not torch.allclose(plain, agent_logits(model, probe, probe >= 0).float(), rtol=1e-2, atol=1e-2):
             return "its forward changes the logits after the LM head (e.g. softcapping): not supported"
     c = model.config.to_dict()  # a window counts cache slots, and the rollout's cache holds padding: a row sees too little
     other = sorted(set(c.get("layer_types") or []) - {"full_attention"})
     if c.get("sliding_window") and c.get("use_sliding_window", True) or other:
         return f"{', '.join(other) or 'sliding-window attention'} layers are not supported (the rollout's KV cache holds padding)"
-    x = tok("<think> I check the cache </think>").input_ids  # the kept cache holds padding between turns: two masked pads
-    holed = dict(input_ids=torch.tensor([x[:2] + [tok.pad_token_id] * 2 + x[2:]]), attention_mask=torch.tensor([[1, 1, 0, 0] + [1] * (len(x) - 2)]),
-                 position_ids=torch.tensor([[0, 1, 1, 1] + list(range(2, len(x)))]))  # positions from the mask, as generate() gives them
-    try:
+    try:  # the kept cache holds padding between turns: two masked pads, positions from the mask as generate() gives them
         with torch.no_grad():
-            same = torch.allclose(model(input_ids=torch.tensor([x], device=model.device)).logits[0, 2:].float(),
-                                  model(**{k: v.to(model.device) for k, v in holed.items()}).logits[0, 4:].float(), rtol=1e-3, atol=1e-3)
+            holed = model(input_ids=t([x[:2] + [tok.pad_token_id] * 2 + x[2:]]), attention_mask=t([[1, 1, 0, 0] + [1] * (len(x) - 2)]),
+                          position_ids=t([[0, 1, 1, 1] + list(range(2, len(x)))])).logits[0, 4:].float()
+        same = torch.allclose(plain[2:], holed, rtol=1e-3, atol=1e-3)
     except Exception:  # a forward that takes no position_ids or mask
         same = False
     if not same:  # MPT's ALiBi counts key indices; recurrent or convolutional layers (Mamba, Jamba) fold padding into their state
