@@ -172,7 +172,7 @@ def main(cfg, iters=4):
         t_diag = (time.perf_counter() - t1) / cfg.diag_every  # amortised over the diagnostics period
         adv = rm.advantages(R, cfg.adv).flatten().to(device)
         rule = cfg.filter if cfg.filter != "none" else "snr"  # the filtered update: --filter's rule (snr by default)
-        kept = rm.filter_groups(R, rule, cfg.filter_p, cfg.filter_k, cfg.filter_score, cfg.include_zero)
+        kept = rm.filter_groups(R, rule, cfg.filter_p, cfg.filter_k, cfg.filter_score, cfg.include_zero, cfg.filter_prob)
         times = {}
         for mode, groups in (("none", list(range(P))), ("snr", kept)):
             idx = [g * G + i for g in groups for i in range(G)]

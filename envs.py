@@ -9,7 +9,7 @@ start and the tests play it to the end).
 The agent replies `<think> ... </think> <answer> a1 || a2 </answer>`; `parse_reply` splits that and
 `step_reply` applies up to `max_actions` (default 2) actions. A malformed reply, or one with invalid actions,
 costs the env's `format_penalty` once for the turn (FORMAT_PENALTY, -0.1, unless `make_env(..., format_penalty=x)`
-says otherwise; the reference code charges it per turn; countdown: an invalid expression earns 0); an invalid
+says otherwise; the reference code charges it per turn, one version of it per invalid action; countdown: an invalid expression earns 0); an invalid
 action leaves the state unchanged, and the episode goes on.
 `ENVS` is the registry and `make_env(name)` builds one by name.
 Pure standard library: no torch, no numpy, no file I/O.
@@ -63,8 +63,8 @@ def step_reply(env, reply, max_actions=2):
     Returns (observation, summed reward, done, info); info has "format_ok", "valid" (all actions valid) and
     "success". The reward sums the actions' rewards, but an invalid action's (the env's format_penalty) counts
     once a turn however many there are, as the reference code charges it. A malformed reply costs format_penalty
-    and changes nothing.
-    """
+    and changes nothing. Actions after the one that ends the episode are not read, so an invalid one costs nothing
+    (the reference checks every parsed action)."""
     _need(_whole(max_actions) and max_actions >= 1, f"max_actions must be an integer >= 1, got {max_actions!r}")
     if env.done:  # a finished episode: whatever the reply, nothing changes and nothing is paid (as Env.step)
         return env.render(), 0.0, True, {"valid": True, "success": env.success, "format_ok": True}
@@ -158,7 +158,8 @@ class FrozenLake(Env):
     """Walk from P to the goal G on a random frozen lake without falling into a hole O.
 
     Reward 1.0 on reaching the goal (done, success); a hole ends the episode with 0; walking into the edge
-    is a valid no-op. With `slip` > 0 a move goes sideways with that probability (seeded, so reproducible).
+    is a valid no-op. With `slip` > 0 a move goes sideways with that probability, drawn from the map's seed (so
+    reproducible, and as in gymnasium's FrozenLake the G samples of a group slip alike while they move alike).
     Maps are always solvable within `max_turns` moves, except that a fraction `unsolvable_frac` of seeds
     get a goal walled off by holes (every rollout fails: zero reward variance, for the collapse demo).
     With `generic_think` > 0 the expert states that share of its steps with an input-free phrase instead of the
@@ -244,7 +245,8 @@ class FrozenLake(Env):
         return 1.0 if self.success else 0.0
 
     def expert(self):
-        """Follow a shortest safe path; on a walled-off map, a safe move that gets closer to the goal."""
+        """Follow a shortest safe path; on a walled-off map, the safe move that ends nearest the goal, which is
+        often a bump into the edge (staying put)."""
         def cost(move):
             p = self._moved(self.pos, move)
             return self.dist.get(p, math.inf), abs(p[0] - self.goal[0]) + abs(p[1] - self.goal[1])
@@ -576,6 +578,8 @@ class WebShop(Env):
         self.n_items, self.max_turns = n_items, max_turns
         # at most 60: a reset redraws the catalogue until only the target matches the goal, which takes ~0.9^-n draws
         _need(_whole(n_items) and 1 <= n_items <= 60, f"n_items must be an integer in [1, 60], got {n_items!r}")
+        _need(not _whole(max_turns) or max_turns >= 3, "webshop needs max_turns >= 3 (search, click the item, click buy: "
+              f"the item's id shows only after the search), got {max_turns!r}")
 
     def reset(self, seed):
         rng = random.Random(seed)

@@ -22,9 +22,15 @@ Deviations from the paper / reference code (veRL-based RAGEN), all deliberate:
   * dropout off throughout RL, the update included (eval mode), so the loss scores tokens as the sampler did;
   * the rollout's KV cache is kept across turns: each turn encodes only the new environment message;
   * the default model is an embedded tiny Llama warm-started on expert traces (no hub access needed);
-  * filter score is the group reward *std* (reference code); --filter-score var gives the ports' variant;
+  * filter score is the group reward *std* (reference code); --filter-score var gives the ports' variant; --filter snr is
+    the reference's linear top-p rule (its recommended one); the paper's main-table runs used its softmax rule
+    (--filter-prob softmax), which keeps about p of the groups;
   * no dual clip (veRL's clip_ratio_c = 3 bounds -A * ratio for A < 0): with one on-policy step the ratio stays ~1;
-  * --adv drgrpo changes the advantage only; the loss stays a token mean (Dr.GRPO divides the token sum by a constant);
+  * the loss is one token mean over the whole batch (the reference's PPO and DAPO runs; its main-table GRPO runs take
+    the mean of per-episode token means, so a short episode weighs as much as a long one); --adv drgrpo changes the
+    advantage only (Dr.GRPO divides the token sum by a constant);
+  * the agent is trained on, and sees in later turns, its replies as sampled (the reference re-renders a parsed reply
+    as <think>...</think><answer>...</answer> first);
   * a reasoning that is empty or never closed stays in the MI proxies (README "Metrics"; the reference drops it).
 """
 import argparse, copy, dataclasses, functools, inspect, json, math, os, random, re, signal, sys, time
@@ -87,7 +93,8 @@ class Config:
     filter: str = "none"  # none | snr (top-p on reward spread) | topk (top fraction by spread) (ref: rollout_filter_strategy)
     filter_p: float = 0.9  # snr: keep the top groups holding this share of total spread (ref: rollout_filter_value)
     filter_k: float = 0.25  # topk: fraction of groups kept (ref: rollout_filter_value)
-    filter_score: str = "std"  # group score: std (reference code) or var (ref: rollout_filter_metric)
+    filter_score: str = "std"  # group score: std (the reference code's reward_variance metric, which is a std) or var (the authors' ports to other trainers)
+    filter_prob: str = "linear"  # snr: p is a share of the summed spreads (linear, the reference's recommended rule) or of softmax(spreads) (softmax, the paper's main-table runs: near uniform, it keeps about p of the groups) (ref: rollout_filter_top_p_prob_mode)
     include_zero: bool = True  # zero-spread groups may be kept: snr with p >= 1 is then no filter, topk keeps top groups even without spread (ref: rollout_filter_include_zero, default True)
     # --- diagnostics, evaluation, runs ---
     diag_every: int = 5  # entropy + MI proxies every k steps, on the unfiltered batch (ref: collapse_detection.compute_freq)
@@ -111,7 +118,7 @@ def parse_args(argv=None) -> Config:
     helps = dict(re.findall(r"^\s+(\w+): \w+ = .*?  # (.*)$", inspect.getsource(Config), re.M))
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 usage="%(prog)s [--flag VALUE ...]  (--help lists every flag)")  # an error: 2 lines, not 30
-    choices = {"adv": ["grpo", "drgrpo"], "filter": ["none", "snr", "topk"], "filter_score": ["std", "var"],
+    choices = {"adv": ["grpo", "drgrpo"], "filter": ["none", "snr", "topk"], "filter_score": ["std", "var"], "filter_prob": ["linear", "softmax"],
                "device": ["auto", "cpu", "cuda", "mps"], "env": sorted(envs.ENVS)}
     for f in dataclasses.fields(Config):
         flag, h = "--" + f.name.replace("_", "-"), helps.get(f.name, "")
@@ -339,12 +346,13 @@ def rollout(model, tok, cfg, seeds, group_size, temperature):
 
 
 # ----------------------------------------------------------------------------- filter, advantages, loss
-def filter_groups(returns, mode="snr", p=0.9, k=0.25, score="std", include_zero=True):
+def filter_groups(returns, mode="snr", p=0.9, k=0.25, score="std", include_zero=True, prob="linear"):
     """SNR-aware filter (README step 4). returns [P, G] -> sorted list of kept group indices.
     snr: sort groups by reward spread, keep the shortest prefix whose spread reaches p of the total minus 0.01 (the
-    reference code's tolerance; p >= 1 keeps all); topk: keep the int(k * P) groups with the largest spread (at
-    least 1); none: every group, include_zero or not. Zero-spread groups are then dropped unless include_zero (snr
-    with p < 1 never keeps one: the prefix is full before them). An empty list means: skip this update. The 0.01 is
+    reference code's tolerance; p >= 1 keeps all), or with prob="softmax" whose softmax(spread) mass reaches p; topk:
+    keep the int(k * P) groups with the largest spread (at least 1); none: every group, include_zero or not.
+    Zero-spread groups are then dropped unless include_zero (linear snr with p < 1 never keeps one: the prefix is
+    full before them). An empty list means: skip this update. The 0.01 is
     in the score's units: under var (squared units) a batch whose group variances sum to under 0.011, e.g. only
     single format errors, keeps nothing."""
     s = returns.std(1) if score == "std" else returns.var(1)  # unbiased, over the G samples of a group
@@ -354,6 +362,9 @@ def filter_groups(returns, mode="snr", p=0.9, k=0.25, score="std", include_zero=
         return list(range(len(returns)))
     if mode == "topk":
         order = order[:max(1, int(k * len(returns) + 1e-9))]  # k * P rounded down (+1e-9: 0.29 * 100 is 28.999... in floats, 28 by the reference's int())
+    elif p < 1 and prob == "softmax":  # the reference drops zero spread (unless include_zero) before the softmax
+        order = [g for g in order if include_zero or s[g] > 0]
+        order = order[:int((torch.cumsum(torch.softmax(s[order], 0), 0) < p).sum()) + 1]
     elif p < 1:
         cum, need = torch.cumsum(s[order], 0), p * s.sum() - 0.01
         order = order[:int((cum < need).sum()) + 1] if need > 0 else []  # need <= 0: the empty prefix reaches it
@@ -591,7 +602,7 @@ def train_locked(cfg, out, quiet):
         if cfg.gradnorm_every and step % cfg.gradnorm_every == 0 and R.var(1).max() > 0:  # no spread: buckets are arbitrary
             log |= grad_norms_by_bucket(model, ref, seqs, R, cfg)
         # 4. SNR-aware filter: keep whole groups with the largest reward spread
-        kept = filter_groups(R, cfg.filter, cfg.filter_p, cfg.filter_k, cfg.filter_score, cfg.include_zero)
+        kept = filter_groups(R, cfg.filter, cfg.filter_p, cfg.filter_k, cfg.filter_score, cfg.include_zero, cfg.filter_prob)
         log |= {"kept_frac": len(kept) / P, "rv_after": R[kept].std(1).mean().item() if kept else 0.0}
         if not kept:
             log |= {"skipped": 1, "loss": 0.0}

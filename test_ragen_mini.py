@@ -267,7 +267,8 @@ def test_frozenlake_generic_think_changes_only_the_reasoning():
     ("frozenlake", {"size": 4.5}, "size must be an integer"), ("sokoban", {"size": 4}, "size must be an integer in [5, 32]"),
     ("sokoban", {"inner_walls": 99}, "inner_walls must be an integer in [0, 13]"), ("webshop", {"n_items": 0}, "n_items must be"), ("webshop", {"n_items": 61}, "in [1, 60]"),
     ("code", {"n_tests": 0}, "n_tests must be"), ("countdown", {"max_turns": 1.5}, "max_turns must be an integer in [1, 100]"),
-    ("bandit", {"max_turns": 2}, "bandit is single-turn"), ("frozenlake", {"format_penalty": float("inf")}, "format_penalty must be a finite"),
+    ("bandit", {"max_turns": 2}, "bandit is single-turn"), ("webshop", {"max_turns": 2}, "webshop needs max_turns >= 3"),
+    ("frozenlake", {"format_penalty": float("inf")}, "format_penalty must be a finite"),
     ("frozenlake", {"p_hole": 1, "unsolvable_frac": 0.1}, "unsolvable maps need"),
     ("frozenlake", {"size": 3000}, "size must be an integer in [2, 32]"), ("sokoban", {"size": 33}, "in [5, 32]"),
     ("code", {"n_tests": 10**8}, "n_tests must be an integer in [1, 100]"),
@@ -1068,6 +1069,27 @@ def test_filter_top_p_rule():
     assert len(rm.filter_groups(torch.tensor([[0.0, 1.0]] * 100), "topk", k=0.29)) == 29  # not 28 (0.29 * 100 = 28.999...)
 
 
+def test_filter_softmax_top_p_rule():
+    # --filter-prob softmax (the paper's main-table runs): keep the shortest prefix, by spread, whose softmax(spread)
+    # mass reaches p. Stds 0, 0.577, 5.774, 0.5: softmax gives g2 e^5.774 / (e^5.774 + e^0.577 + e^0.5 + 1) = 0.9865
+    R = torch.tensor([[1.0, 1, 1, 1], [0, 0, 1, 1], [0, 10, 0, 10], [0, 0, 0, 1]])
+    assert rm.filter_groups(R, "snr", p=0.9, prob="softmax") == [2]
+    assert rm.filter_groups(R, "snr", p=0.99, prob="softmax") == [1, 2]  # 0.9865 + e^0.577 / 326.3 = 0.9920
+    assert rm.filter_groups(R, "snr", p=1.0, prob="softmax") == [0, 1, 2, 3]
+    # returns in [0, 1], as FrozenLake's: spreads under 1 make the softmax near uniform, so it keeps about p of the
+    # groups, zero-spread ones too (include_zero); the linear rule keeps the three widest
+    rows = [[0.0, 1.0], [0.0, 1.0], [0.0, 0.2], [0.0, 0.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.8]]
+    R = torch.tensor(rows)
+    s = [abs(a - b) / math.sqrt(2) for a, b in rows]  # the unbiased std of two returns
+    order = sorted(range(8), key=lambda g: -s[g])  # (ties keep their index order)
+    probs = [math.exp(s[g]) / sum(math.exp(x) for x in s) for g in order]
+    n = next(i + 1 for i in range(8) if sum(probs[:i + 1]) >= 0.9)
+    assert n == 7 and rm.filter_groups(R, "snr", p=0.9, prob="softmax") == sorted(order[:n]) == [0, 1, 2, 3, 4, 5, 7]
+    assert rm.filter_groups(R, "snr", p=0.9, prob="softmax", include_zero=False) == [0, 1, 2, 7]  # softmax over 4
+    assert rm.filter_groups(R, "snr", p=0.9) == [0, 1, 7]  # linear: 0.707 * 2 + 0.566 >= 0.9 * 2.12 - 0.01
+    assert rm.filter_groups(torch.zeros(3, 8), "snr", p=0.9, prob="softmax", include_zero=False) == []
+
+
 def test_filter_keeps_nothing_when_no_group_has_spread():
     R = torch.tensor([[0.0, 0, 0], [1.0, 1, 1]])
     for include_zero in (True, False):
@@ -1864,7 +1886,8 @@ def test_resume_names_a_log_line_edited_by_hand(tmp_path):
     (dict(name="../elsewhere"), "--name must be one folder name"), (dict(name=".."), "--name must be one folder name"),
     (dict(warmup_lr=-1.0), "--warmup-lr must be >= 0"), (dict(kl_coef=-0.1), "--kl-coef must be >= 0"),  # -0.1 kept no reference
     (dict(temperature=0.0), "--temperature must be > 0"), (dict(model=os.path.join(HERE, "docs")), "the folder holds no model"),
-    (dict(env="bandit", max_turns=3), "bandit is single-turn"), (dict(env_args='{"max_turns": 2.5}'), "max_turns must be an integer"),
+    (dict(env="bandit", max_turns=3), "bandit is single-turn"), (dict(env="webshop", max_turns=2), "webshop needs max_turns >= 3"),
+    (dict(env_args='{"max_turns": 2.5}'), "max_turns must be an integer"),
     (dict(env="countdown", max_turns=3, env_args='{"max_turns": 2}'), "give the turn limit once"),
     (dict(env_args='{"format_penalty": NaN}'), "format_penalty must be a finite number"),
     (dict(env_args='{"size": 2, "unsolvable_frac": 0.5}'), "unsolvable maps need size >= 3"),  # seed 0 fits; seed 1 did not
