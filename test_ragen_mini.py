@@ -658,6 +658,11 @@ def test_mi_constant_rows_is_chance():
     r = mi_metrics(L, torch.tensor([0, 1, 2, 3, 0, 1]), ["a", "b", "c", "d"])
     assert abs(r["mi"]) < 1e-6 and abs(r["mi_zscore"]) < 1e-6
     assert r["retrieval_acc"] == r["retrieval_chance"] == 0.25
+    # a confident policy that ignores its input: log-probs near 0 that differ only by rounding noise are ties too
+    # (the tolerance is relative to |top|, but never below an absolute one)
+    L = -1e-3 + 1e-8 * torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    r = mi_metrics(L, torch.tensor([0, 1, 2, 3, 0, 1]), ["a", "b", "c", "d"])
+    assert r["retrieval_acc"] == r["retrieval_chance"] == 0.25
 
 
 def test_mi_deterministic_is_log_m():
@@ -1046,6 +1051,7 @@ def test_equal_returns_exactly_zero():
     assert rm.filter_groups(one, "snr", p=1.0, include_zero=False) == [] and rm.advantages(one).abs().max() == 0
     assert rm.filter_groups(one, "topk", k=1.0, include_zero=False, score="var") == []
     assert rm.filter_groups(torch.tensor([[0.9]] * 3), "topk", k=1.0, include_zero=False) == []  # G = 1: no spread
+    assert torch.equal(rm.advantages(torch.tensor([[0.9]] * 3)), torch.zeros(3, 1))  # (the std of one return is NaN)
 
 
 def test_filter_top_p_rule():
@@ -1382,6 +1388,13 @@ def test_a_non_finite_later_ppo_epoch_keeps_the_steps_before_it(tiny, monkeypatc
     stats = rm.update(m, None, torch.optim.SGD(m.parameters(), lr=0.1), seqs, adv, dataclasses.replace(cfg, ppo_epochs=3, micro_batch=64))
     assert stats["epochs_stepped"] == 1 and math.isnan(stats["loss"]) and len(calls) == 2
     assert any(not torch.equal(p, q) for p, q in zip(m.parameters(), start))  # epoch 1 stepped
+    monkeypatch.undo()  # a finite loss whose gradient is not: the step is skipped too (not blamed on --lr)
+    m = copy.deepcopy(model)
+    m.model.norm.weight.register_hook(lambda g: torch.full_like(g, math.inf))
+    start = [p.detach().clone() for p in m.parameters()]
+    stats = rm.update(m, None, torch.optim.AdamW(m.parameters(), lr=1e-3), seqs, adv, cfg)
+    assert stats["epochs_stepped"] == 0 and math.isnan(stats["loss"])
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), start))
 
 
 def test_grad_norms_by_bucket_are_separate_backward_passes(tiny):
@@ -2383,13 +2396,15 @@ def test_plot_takes_runs_with_a_step_and_refuses_the_rest(tmp_path, capsys):
     one that has just started, left out); an empty --plot, or a log that is not a run's, is refused in one line."""
     for run, text in [("demos/demo-s0/a", '{"step": 0, "success": 0.5, "kept_frac": 1}\n'), ("started", '{"step": 0, "succ'),
                       ("other", '{"foo": 1}\n'), ("b", '{"step": 0, "success": 0.25, "kept_frac": 1}\n'),
-                      ("edited/x", '{"step": 0, "success": 0.25, "kept_frac": 1}\n{"step": 1, "success": "0.5", "kept_frac": 1}\n')]:
+                      ("edited/x", '{"step": 0, "success": 0.25, "kept_frac": 1}\n{"step": 1, "success": "0.5", "kept_frac": 1}\n'),
+                      ("edited2/x", '{"step": 0, "success": 0.25, "kept_frac": 1}\n{"step": 1, "success": 0.5}\n')]:
         (tmp_path / run).mkdir(parents=True)
         (tmp_path / run / "log.jsonl").write_text(text)
     assert runfiles.plotted(rm.parse_args(["--plot", f"{tmp_path}/demos,{tmp_path}/b"])) == [f"{tmp_path}/demos/demo-s0/a", f"{tmp_path}/b"]
     for arg, message in [("", "--plot needs a run folder"), (" , ", "--plot needs a run folder"), (str(tmp_path / "started"), "no run there"),
                          (str(tmp_path / "other"), "is not a run's log"), (str(tmp_path), "is not a run's log"),  # other/ is below it
-                         (str(tmp_path / "edited"), "its step 1 has no success or kept_frac")]:  # --plot read it: a TypeError
+                         (str(tmp_path / "edited"), "its step 1 has no success or kept_frac"),  # --plot read it: a TypeError
+                         (str(tmp_path / "edited2"), "its step 1 has no success or kept_frac")]:  # a KeyError
         with pytest.raises(SystemExit):
             rm.parse_args(["--plot", arg])
         assert message in capsys.readouterr().err, arg
@@ -2569,6 +2584,18 @@ def test_empty_filter_and_nan_loss_skip_the_update(tmp_path, monkeypatch):
     with open(os.path.join(summary["out"], "log.jsonl")) as f:  # strict JSON (jq, JSON.parse): the NaN loss is null
         rows = [json.loads(l, parse_constant=strict) for l in f]
     assert [r["loss"] for r in rows] == [None, None] and all(r["skipped"] == 1 for r in rows)
+
+
+def test_a_step_whose_first_epoch_stepped_is_not_logged_as_skipped(tmp_path, monkeypatch, capsys):
+    """--ppo-epochs 2 with a NaN loss in epoch 2: the step changed the weights, so its row has no skipped=1 (the
+    control run would read a skipped step's scale as 0) and the line says which epochs were skipped."""
+    cfg = rm.parse_args(SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--steps", "1", "--ppo-epochs", "2"])
+    real, calls = rm.loss_terms, []  # 16 episodes in micro-batches of 8: call 3 opens epoch 2
+    monkeypatch.setattr(rm, "loss_terms", lambda *a: calls.append(1) or dict(real(*a), **({"pg": torch.tensor(float("nan"))} if len(calls) == 3 else {})))
+    summary, _, _ = rm.train(cfg, quiet=True)
+    row = runfiles.read_log(os.path.join(summary["out"], "log.jsonl"))[0]
+    assert len(calls) == 3 and "skipped" not in row and summary["skipped"] == 0
+    assert "non-finite loss or gradient, its epochs after the first 1 of 2 skipped" in capsys.readouterr().out
 
 
 def test_an_optimizer_step_to_non_finite_weights_stops_before_they_are_saved(tmp_path, monkeypatch, capsys):
@@ -2772,6 +2799,7 @@ def test_model_without_a_chat_template_gets_one_clear_line(tmp_path):
     model.save_pretrained(tmp_path / "base"); tok.save_pretrained(tmp_path / "base")
     r = run_cli("--model", str(tmp_path / "base"), "--steps", "1", "--out", str(tmp_path), timeout=120)
     assert r.returncode != 0 and "chat template" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert f"error: {tmp_path / 'base'}: " in r.stderr  # said by load_policy, before the run starts
 
 
 def test_model_whose_logits_are_softcapped_is_refused_and_a_plain_one_loads(tiny, tmp_path, capsys):
@@ -2824,6 +2852,13 @@ def test_model_whose_output_changes_with_masked_padding_is_refused(tiny):
     mpt = MptForCausalLM(MptConfig(vocab_size=len(tok), d_model=32, n_heads=2, n_layers=1, initializer_range=0.2)).eval()
     assert "changes with masked padding between tokens" in runfiles.model_problem(mpt, tok, rm.Chat, rm.agent_logits)
     assert runfiles.model_problem(model, tok, rm.Chat, rm.agent_logits) is None
+    from transformers import LlamaConfig, LlamaForCausalLM  # a Llama with weights as large as that MPT's: its output
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, initializer_range=0.2)).eval()
+    assert runfiles.model_problem(llama, tok, rm.Chat, rm.agent_logits) is None  # depends on positions: they must be right
+    forward = llama.forward  # a model whose forward takes no position_ids cannot be given the cache's positions
+    llama.forward = lambda *a, position_ids=None, **k: forward(*a, **k) if position_ids is None else (_ for _ in ()).throw(TypeError("position_ids"))
+    assert "changes with masked padding" in runfiles.model_problem(llama, tok, rm.Chat, rm.agent_logits)
 
 
 def test_model_folder_under_home_loads_with_a_tilde(tiny, tmp_path, monkeypatch):
