@@ -8,7 +8,8 @@ Multi-turn GRPO for a causal LM on toy agent tasks, with the paper's two contrib
     python ragen_mini.py --filter snr                 # main run: FrozenLake, embedded tiny model, CPU ok
     python ragen_mini.py --demo                       # collapse without the filter, fixed by the filter
     python ragen_mini.py --plot runs                  # every run's last readings, and their curves in runs/plot.png
-    python ragen_mini.py --model Qwen/Qwen2.5-0.5B-Instruct --env sokoban --filter snr   # a real model, one GPU
+    python ragen_mini.py --model Qwen/Qwen2.5-0.5B-Instruct --env sokoban --filter snr --lr 1e-6 --micro-batch 32 --max-new-tokens 128
+                                                      # a real model, one GPU (README: its replies need room)
 
 Algorithm per step (README "The method", steps 1-8): rollout -> rewards -> diagnostics -> filter ->
 advantages -> loss -> optimizer step -> log.

