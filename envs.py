@@ -790,16 +790,16 @@ class CodeExec(Env):
     The expression is parsed with ast, checked against a whitelist (see parse_code) and run by our own
     interpreter with limits (never eval/exec). A refused expression is an invalid action. Each attempt's
     reward is the change in the fraction of tests passed, so an episode's return is the fraction passed by the
-    last attempt. Done when all pass or after max_turns attempts. After an attempt, two failing tests' inputs and
-    what the expression gave are shown, not the values it should give: else a table of the answers seen (`7 if x ==
-    [6, 1, 4] else ...`) would pass the hidden tests without solving the task.
+    last attempt. Done when all pass or after max_turns attempts. The Example is an input outside the tests. After an
+    attempt, two failing tests' inputs and what the expression gave are shown, not the values it should give: else a
+    table of the answers seen (`7 if x == [6, 1, 4] else ...`) would pass the hidden tests without solving the task.
 
         observation:  Task: x is a list of ints; return the sum of its first 2 elements
                       Example: f([6, 1, 4]) = 7
         reply:        <think> head_sum task: return the sum of its first 2 elements ; write sum(x[:2]) </think>
                       <answer> sum(x[:2]) </answer>
         feedback:     the same two lines, then "Passed 4/4"   (reward 1.0, done)
-        (after x[0]:  "Passed 1/4; failing: f([6, 1, 4]) gave 6 ; f([3, 3]) gave 3", reward 0.25)
+        (after x[0]:  "Passed 1/4; failing: f([2, 5]) gave 2 ; f([3, 3]) gave 3", reward 0.25)
     """
     name = "code"
     reply_tokens = 64  # its expert replies run to about 35 tokens
@@ -815,15 +815,17 @@ class CodeExec(Env):
         rng = random.Random(seed)
         self.family, kind, self.goal, self.solution, reference = _code_task(rng)
         self.description = f"x is {'an int' if kind == 'int' else 'a list of ints'}; return {self.goal}"
-        inputs = [rng.randint(-20, 20) if kind == "int" else [rng.randint(0, 20) for _ in range(rng.randint(1, 6))]
-                  for _ in range(self.n_tests)]
+        draw = lambda: rng.randint(-20, 20) if kind == "int" else [rng.randint(0, 20) for _ in range(rng.randint(1, 6))]
+        inputs = [draw() for _ in range(self.n_tests)]
         self.tests = [(x, reference(x)) for x in inputs]
+        x = next((x for x in (draw() for _ in range(1000)) if x not in inputs), 21 if kind == "int" else [21])
+        self.example = (x, reference(x))  # shown, never scored: an answer copied from it passes no test
         self.attempts, self.passed, self.feedback = 0, 0.0, ""
         self.done = self.success = False
         return self.render()
 
     def render(self):
-        x, y = self.tests[0]
+        x, y = self.example
         return f"Task: {self.description}\nExample: f({x}) = {y}" + self.feedback
 
     def _apply(self, action):

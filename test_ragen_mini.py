@@ -498,7 +498,15 @@ def test_code_feedback_keeps_the_tests_hidden():
             if done:
                 break
         solved += info["success"]
-    assert solved <= 5  # only tasks whose hidden tests the example's answer (or the default 0) happens to pass
+    assert solved <= 5  # only tasks whose hidden tests the default 0 happens to pass
+    for seed in range(200):  # the example is no test: an answer copied from it earns what its default (0) earns
+        env = make_env("code")
+        env.reset(seed)
+        x, y = env.example
+        assert x not in [t for t, _ in env.tests] and f"Example: f({x}) = {y}" in env.render()
+        copied = env.step(f"{y} if x == {x} else 0")[1]
+        env.reset(seed)
+        assert copied == env.step("0")[1]
     for seed in range(10):  # the feedback exactly: two failing inputs and what the expression gave, nothing expected
         env.reset(seed)
         fails = [x for x, y in env.tests if y != 0]
