@@ -20,7 +20,8 @@ def entropy(logp):
 
 
 def token_entropy(logits, mask):
-    """Mean next-token entropy over masked positions.
+    """Mean next-token entropy over masked positions, at temperature 1 (the tests' reference; the logged
+    `token_entropy` is cross_score's, at the sampling temperature).
 
     H_t = -sum_v softmax(l_t)_v * log_softmax(l_t)_v, from the full softmax in float32;
     result = sum_t mask_t H_t / sum_t mask_t. logits [B,T,V], mask [B,T] bool or 0/1.
@@ -93,8 +94,8 @@ def cross_score(model, prompts, reasons, pad_id, matched=None, batch_size=256, t
     its row is L_sum = L_mean = 0 and it adds nothing to the entropy.
     Prefix sharing (when the forward takes past_key_values, position_ids and use_cache, as HF causal LMs do):
     prompts are long and reasonings short, so each prompt x_j is run once (all in one left-padded batch,
-    use_cache=True); its KV cache is repeated over chunks of batch_size reasonings (sorted by length, right-padded
-    with pad_id), which are run with past_key_values=, an attention_mask over prompt + reasoning and position_ids
+    use_cache=True); its KV cache is repeated over chunks of batch_size (reasoning, prompt) pairs (sorted by
+    length, right-padded with pad_id), which are run with past_key_values=, an attention_mask over prompt + reasoning and position_ids
     |x_j| + k.
     The prompt's last logits predict z_i,0. This costs M prompt passes + N*M short passes instead of N*M full ones,
     M counting identical prompts once (--mi-any-turn's contexts: a first turn's is its group's).

@@ -250,7 +250,7 @@ def load_policy(cfg, device, quiet=False):
 
 
 def pad_right(seqs, pad_id, device, extra=None):
-    """[(ids, mask, *lists)] -> right-padded tensors: ids [B,T], attention [B,T], mask [B,T] (+ float extra)."""
+    """[(ids, mask)] -> right-padded tensors: ids [B,T], attention [B,T], mask [B,T] (+ extra: float lists, padded alike)."""
     T = max(len(s[0]) for s in seqs)
     pad = lambda rows, v, dt: torch.tensor([r + [v] * (T - len(r)) for r in rows], dtype=dt, device=device)
     out = (pad([s[0] for s in seqs], pad_id, torch.long), pad([[1] * len(s[0]) for s in seqs], 0, torch.long),
@@ -265,7 +265,7 @@ def generate(model, chunks, max_new, temperature, stop, pad_id, state=None):
     """Batched sampling with a KV cache that is kept across turns.
 
     chunks: per sequence, the tokens not yet in the cache (turn 1: the prompt; later: the rest of the last
-    reply + the environment's next message). state: (cache, attention [B, T], last position [B]) from the
+    reply + the environment's next message). state: (cache, attention [B, cached length], last position [B]) from the
     previous turn, rows matching chunks, or None. Chunks are left-padded; padding is masked out and positions
     come from the mask, so the cache may hold holes. -> (new token lists, their log-probs at this temperature,
     state, unfed: per sequence, whether its last token is still outside the cache). stop: the id(s) that end a turn.
@@ -351,7 +351,7 @@ def filter_groups(returns, mode="snr", p=0.9, k=0.25, score="std", include_zero=
     """SNR-aware filter (README step 4). returns [P, G] -> sorted list of kept group indices.
     snr: sort groups by reward spread, keep the shortest prefix whose spread reaches p of the total minus 0.01 (the
     reference code's tolerance; p >= 1 keeps all), or with prob="softmax" whose softmax(spread) mass reaches p; topk:
-    keep the int(k * P) groups with the largest spread (at least 1); none: every group, include_zero or not.
+    keep the int(k * P + 1e-9) groups with the largest spread (at least 1); none: every group, include_zero or not.
     Zero-spread groups are then dropped unless include_zero (linear snr with p < 1 never keeps one: the prefix is
     full before them). An empty list means: skip this update. The 0.01 is
     in the score's units: under var (squared units) a batch whose group variances sum to under 0.011, e.g. only
@@ -399,7 +399,8 @@ def agent_logits(model, ids, sel):
 
 def agent_logprobs(model, ids, sel, temperature):
     """log pi [K, V] at the sampling temperature, at the K positions where sel [B, T-1] is True: position t of
-    right-padded ids [B, T] predicts token t+1. The loss, the reference model and pi_old all score tokens this way."""
+    right-padded ids [B, T] predicts token t+1. The loss, the reference model and (under bf16) pi_old score tokens this
+    way; in fp32 pi_old is the sampler's, equal up to rounding."""
     return F.log_softmax(agent_logits(model, ids[:, :-1], sel).float() / max(temperature, 1e-5), -1)
 
 
@@ -583,7 +584,7 @@ def train_locked(cfg, out, quiet):
         # 1. rollout: P groups x G samples, multi-turn
         model.eval()
         eps = rollout(model, tok, cfg, seeds, G, cfg.temperature)
-        # 2. rewards: one return per episode
+        # 2. rewards: one return per episode (rv_before / rv_after: the mean within-group std)
         R = torch.tensor([e["ret"] for e in eps]).view(P, G)
         log = {"step": step, "success": sum(e["success"] for e in eps) / len(eps), "reward": R.mean().item(),
                "reward_std": R.std().item(), "rv_before": R.std(1).mean().item(), "fmt_err": sum(e["fmt_errors"] for e in eps) / len(eps)}
