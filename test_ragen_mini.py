@@ -1622,7 +1622,8 @@ def test_the_loop_trains_on_the_kept_groups_with_the_controls_scales(tmp_path, m
     scales = tmp_path / "b.jsonl"
     runfiles.write_log(str(scales), [{"step": 0, "kept_frac": 0.25}, {"step": 1, "kept_frac": 0.5}])
     cfg = rm.parse_args(SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--reg-scale-from", str(scales),
-                                 "--filter", "topk", "--filter-p", "0.5", "--filter-k", "0.75", "--filter-score", "var", "--no-include-zero"])
+                                 "--filter", "topk", "--filter-p", "0.5", "--filter-k", "0.75", "--filter-score", "var", "--no-include-zero",
+                                 "--filter-prob", "softmax"])
     calls, rollouts, filtered = [], [], []
     real_rollout, real_update = rm.rollout, rm.update
     def rollout(model, tok, cfg, seeds, group_size, temperature):  # returns that spread: advantages of 0 pass any check
@@ -1638,7 +1639,7 @@ def test_the_loop_trains_on_the_kept_groups_with_the_controls_scales(tmp_path, m
     rm.train(cfg, quiet=True)
     train_rollouts = [eps for eps in rollouts if len(eps) == cfg.groups * cfg.group_size]
     assert len(calls) == len(train_rollouts) == 2 and [c[2] for c in calls] == [0.25, 0.5]
-    assert [a[1:] for a in filtered] == [("topk", 0.5, 0.75, "var", False)] * 2  # every filter flag reaches it
+    assert [a[1:] for a in filtered] == [("topk", 0.5, 0.75, "var", False, "softmax")] * 2  # every filter flag reaches it
     for (seqs, adv, _), eps, (R_seen, *_) in zip(calls, train_rollouts, filtered):
         assert torch.equal(R_seen, torch.tensor([e["ret"] for e in eps]).view(4, 4))  # the step's returns, [P, G]
         kept = eps[4:8] + eps[12:16]  # groups 1 and 3 of 4, G = 4
