@@ -95,8 +95,8 @@ def cross_score(model, prompts, reasons, pad_id, matched=None, batch_size=256, t
     Prefix sharing (when the forward takes past_key_values, position_ids and use_cache, as HF causal LMs do):
     prompts are long and reasonings short, so each prompt x_j is run once (all in one left-padded batch,
     use_cache=True); its KV cache is repeated over chunks of batch_size (reasoning, prompt) pairs (sorted by
-    length, right-padded with pad_id), which are run with past_key_values=, an attention_mask over prompt + reasoning and position_ids
-    |x_j| + k.
+    length, right-padded with pad_id), which are run with past_key_values=, an attention_mask over prompt +
+    reasoning and position_ids |x_j| + k.
     The prompt's last logits predict z_i,0. This costs M prompt passes + N*M short passes instead of N*M full ones,
     M counting identical prompts once (--mi-any-turn's contexts: a first turn's is its group's).
     Otherwise (plain path) the pairs [x_j ; z_i] are sorted by length and run whole in chunks of batch_size,

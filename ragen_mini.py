@@ -353,9 +353,8 @@ def filter_groups(returns, mode="snr", p=0.9, k=0.25, score="std", include_zero=
     reference code's tolerance; p >= 1 keeps all), or with prob="softmax" whose softmax(spread) mass reaches p; topk:
     keep the int(k * P + 1e-9) groups with the largest spread (at least 1); none: every group, include_zero or not.
     Zero-spread groups are then dropped unless include_zero (linear snr with p < 1 never keeps one: the prefix is
-    full before them). An empty list means: skip this update. The 0.01 is
-    in the score's units: under var (squared units) a batch whose group variances sum to under 0.011, e.g. only
-    single format errors, keeps nothing."""
+    full before them). An empty list means: skip this update. The 0.01 is in the score's units: under var (squared
+    units) a batch whose group variances sum to under 0.011, e.g. only single format errors, keeps nothing."""
     s = returns.std(1) if score == "std" else returns.var(1)  # unbiased, over the G samples of a group
     s = s.masked_fill(flat(returns), 0.0)  # G equal returns (or G = 1): no spread, exactly (float32 leaves 6e-8 for 0.9)
     order = torch.argsort(s, descending=True, stable=True).tolist()
