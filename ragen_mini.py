@@ -27,9 +27,9 @@ Deviations from the paper / reference code (veRL-based RAGEN), all deliberate:
     the reference's linear top-p rule (its recommended one); the paper's main-table runs used its softmax rule
     (--filter-prob softmax), which keeps about p of the groups;
   * no dual clip (veRL's clip_ratio_c = 3 bounds -A * ratio for A < 0): with one on-policy step the ratio stays ~1;
-  * the loss is one token mean over the whole batch (the reference's PPO and DAPO runs; its main-table GRPO runs take
-    the mean of per-episode token means, so a short episode weighs as much as a long one); --adv drgrpo changes the
-    advantage only (Dr.GRPO divides the token sum by a constant);
+  * the loss is one token mean over the whole batch by default (the reference's PPO and DAPO runs; its main-table GRPO
+    runs take the mean of per-episode token means, --loss-agg seq-mean-token-mean, so a short episode weighs as much as
+    a long one); --adv drgrpo changes the advantage only (Dr.GRPO divides the token sum by a constant);
   * the agent is trained on, and sees in later turns, its replies as sampled (the reference re-renders a parsed reply
     as <think>...</think><answer>...</answer> first);
   * a reasoning that is empty or never closed stays in the MI proxies (README "Metrics"; the reference drops it).
@@ -85,6 +85,7 @@ class Config:
     entropy_coeff: float = 0.001  # entropy bonus on agent tokens (ref: entropy_coeff)
     kl_coef: float = 0.0  # k3 KL to the frozen start model; 0 keeps no reference model (ref: kl_loss_coef; TRL: beta)
     weight_decay: float = 0.0  # AdamW's decoupled weight decay, the paper's third input-agnostic regulariser (ref: actor.optim.weight_decay, default 0.01)
+    loss_agg: str = "token-mean"  # token-mean: one mean over every agent token of the batch (DAPO; the reference's PPO runs) | seq-mean-token-mean: the mean over episodes of each one's token mean (the reference's main-table GRPO runs) (ref: loss_agg_mode)
     ppo_epochs: int = 1  # optimizer steps per batch
     micro_batch: int = 8  # sequences per forward/backward, sorted by length (gradient accumulation; raise it on a GPU) (ref: ppo_micro_batch_size_per_gpu)
     grad_clip: float = 1.0  # max global grad norm
@@ -120,6 +121,7 @@ def parse_args(argv=None) -> Config:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 usage="%(prog)s [--flag VALUE ...]  (--help lists every flag)")  # an error: 2 lines, not 30
     choices = {"adv": ["grpo", "drgrpo"], "filter": ["none", "snr", "topk"], "filter_score": ["std", "var"], "filter_prob": ["linear", "softmax"],
+               "loss_agg": ["token-mean", "seq-mean-token-mean"],
                "device": ["auto", "cpu", "cuda", "mps"], "env": sorted(envs.ENVS)}
     for f in dataclasses.fields(Config):
         flag, h = "--" + f.name.replace("_", "-"), helps.get(f.name, "")
@@ -404,7 +406,8 @@ def agent_logprobs(model, ids, sel, temperature):
 
 
 def loss_terms(model, ref, batch, adv, cfg):
-    """Token-mean terms of the GRPO objective over the agent tokens of a (micro-)batch (README step 6).
+    """Token-mean terms of the GRPO objective over the agent tokens of a (micro-)batch (README step 6), or under
+    --loss-agg seq-mean-token-mean the mean over its B episodes of each one's token mean (ntok then counts episodes).
     batch: ids/attn/mask/old_logp [B, T] (attn unused: right padding); adv [B]. -> dict(pg, entropy, kl, ntok)."""
     ids, _, mask, old = batch
     sel = mask[:, 1:].bool()  # [B, T-1]: position t predicts token t+1, an agent token
@@ -421,6 +424,9 @@ def loss_terms(model, ref, batch, adv, cfg):
             ref_logp = agent_logprobs(ref, ids, sel, cfg.temperature).gather(-1, tgt[:, None])[:, 0]
         d = ref_logp - logp
         kl = torch.exp(d) - d - 1
+    if cfg.loss_agg == "seq-mean-token-mean":  # a token's weight: 1 / (its episode's agent tokens * B)
+        w = (1 / (sel.sum(1, keepdim=True) * len(ids))).expand_as(sel)[sel]  # [K]
+        return dict(pg=(pg * w).sum(), entropy=(entropy * w).sum(), kl=(kl * w).sum(), ntok=torch.tensor(len(ids)))
     return dict(pg=pg.sum() / n, entropy=entropy.sum() / n, kl=kl.sum() / n, ntok=n)
 
 
@@ -442,7 +448,7 @@ def training_logprobs(model, seqs, order, cfg):
 @amp
 def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
     """One GRPO update on the kept episodes: micro-batched, token-mean over the whole batch. -> stats."""
-    dev, total = model.device, sum(sum(s[1]) for s in seqs)
+    dev, total = model.device, sum(sum(s[1]) for s in seqs) if cfg.loss_agg == "token-mean" else len(seqs)
     model.eval()  # dropout off (GPT-2, OPT, Phi-2 ship with it), as the sampler ran: else pi / pi_old starts off 1 (TRL: disable_dropout)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))  # similar lengths share a micro-batch: less padding
     if torch.is_autocast_enabled(dev.type):  # bf16: pi_old from the forward the loss uses (in fp32 the sampler's are equal)
@@ -457,7 +463,7 @@ def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
             batch = pad_right([seqs[j][:2] for j in idx], 0, dev, [seqs[j][2] for j in idx])
             t = loss_terms(model, ref, batch, adv[idx], cfg)
             loss = t["pg"] - reg_scale * cfg.entropy_coeff * t["entropy"] + reg_scale * cfg.kl_coef * t["kl"]
-            w = (t["ntok"] / max(total, 1)).item()  # micro-batch share of all agent tokens: keeps it a token mean
+            w = (t["ntok"] / max(total, 1)).item()  # micro-batch share of all agent tokens (or episodes): keeps it one mean
             (loss * w).backward()
             for k in stats:
                 stats[k] += w * (loss if k == "loss" else t[k]).item() / cfg.ppo_epochs

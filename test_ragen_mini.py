@@ -1334,7 +1334,9 @@ def test_micro_batches_keep_the_token_mean(tiny):
     ref = copy.deepcopy(model)
     with torch.no_grad():
         ref.model.norm.weight.mul_(2.0)  # a reference that differs: the KL term has a gradient
-    for r, scale in ((None, 1.0), (ref, 1.0), (ref, 0.5)):  # 0.5: the control run's regulariser scale (demo run c)
+    for r, scale, agg in ((None, 1.0, "token-mean"), (ref, 1.0, "token-mean"), (ref, 0.5, "token-mean"),  # 0.5: the control run's scale
+                          (ref, 0.5, "seq-mean-token-mean")):  # the mean of the episodes' token means: micro-batches keep it too
+        cfg = dataclasses.replace(cfg, loss_agg=agg)
         m = copy.deepcopy(model).train()
         t = rm.loss_terms(m, r, rm.pad_right([s[:2] for s in seqs], 0, m.device, [s[2] for s in seqs]), adv, cfg)
         loss = t["pg"] - scale * cfg.entropy_coeff * t["entropy"] + scale * cfg.kl_coef * t["kl"]  # the objective, by hand
@@ -1351,6 +1353,31 @@ def test_micro_batches_keep_the_token_mean(tiny):
     got = torch.cat([p.grad.flatten() for p in m.parameters()])
     assert want.norm() > 1e-2 and torch.allclose(got, want * 1e-3 / want.norm(), atol=1e-9, rtol=1e-4)
 
+
+def test_seq_mean_token_mean_is_the_mean_of_the_episodes_token_means(tiny):
+    """--loss-agg seq-mean-token-mean (the reference's GRPO runs): every term is the mean over episodes of each one's
+    token mean, so a short episode weighs as much as a long one; the default is one token mean over all tokens."""
+    cfg, model, tok = tiny
+    torch.manual_seed(3)
+    eps = rm.rollout(model, tok, cfg, [21, 22], 2, 1.0)
+    cut = [len(eps[0]["ids"]) - 9 * k for k in range(4)]
+    seqs = [(e["ids"][:n], e["mask"][:n], e["logp"][:n]) for e, n in zip(eps, cut)]
+    adv, ref = torch.tensor([1.0, -1.0, 0.5, 2.0]), copy.deepcopy(model)
+    with torch.no_grad():
+        ref.model.norm.weight.mul_(2.0)
+    pad = lambda idx: rm.pad_right([seqs[i][:2] for i in idx], 0, model.device, [seqs[i][2] for i in idx])
+    seq = dataclasses.replace(cfg, loss_agg="seq-mean-token-mean")
+    with torch.no_grad():
+        alone = [rm.loss_terms(model, ref, pad([i]), adv[[i]], cfg) for i in range(4)]  # one episode: its token mean
+        both = {agg: rm.loss_terms(model, ref, pad(range(4)), adv, dataclasses.replace(cfg, loss_agg=agg))
+                for agg in ("token-mean", "seq-mean-token-mean")}
+    n = [a["ntok"].item() for a in alone]
+    assert len(set(n)) >= 3 and both["seq-mean-token-mean"]["ntok"] == 4  # episodes of unequal length
+    for k in ("pg", "entropy", "kl"):
+        assert abs(both["seq-mean-token-mean"][k] - sum(a[k] for a in alone) / 4) < 1e-6, k
+        assert abs(both["token-mean"][k] - sum(a[k] * m for a, m in zip(alone, n)) / sum(n)) < 1e-6, k
+    assert abs(both["seq-mean-token-mean"]["pg"] - both["token-mean"]["pg"]) > 1e-3  # the two differ here
+    assert rm.parse_args(["--loss-agg", "seq-mean-token-mean"]).loss_agg == seq.loss_agg
 
 def test_weight_decay_is_a_regulariser_the_control_run_scales(tiny):
     """--weight-decay reaches AdamW, and update()'s reg_scale (the control run's kept fraction) scales it with the
