@@ -354,23 +354,24 @@ def filter_groups(returns, mode="snr", p=0.9, k=0.25, score="std", include_zero=
     snr: sort groups by reward spread, keep the shortest prefix whose spread reaches p of the total minus 0.01 (the
     reference code's tolerance; p >= 1 keeps all), or with prob="softmax" whose softmax(spread) mass reaches p; topk:
     keep the int(k * P + 1e-9) groups with the largest spread (at least 1); none: every group, include_zero or not.
-    Zero-spread groups are then dropped unless include_zero (linear snr with p < 1 never keeps one: the prefix is
-    full before them). An empty list means: skip this update. The 0.01 is in the score's units: under var (squared
-    units) a batch whose group variances sum to under 0.011, e.g. only single format errors, keeps nothing."""
+    Zero-spread groups are dropped first unless include_zero, as the reference does (linear snr with p < 1 never
+    keeps one anyway: the prefix is full before them). An empty list means: skip this update. The 0.01 is in the
+    score's units: under var (squared units) a batch whose group variances sum to under 0.011, e.g. only single
+    format errors, keeps nothing."""
     s = returns.std(1) if score == "std" else returns.var(1)  # unbiased, over the G samples of a group
     s = s.masked_fill(flat(returns), 0.0)  # G equal returns (or G = 1): no spread, exactly (float32 leaves 6e-8 for 0.9)
     order = torch.argsort(s, descending=True, stable=True).tolist()
     if mode == "none":
         return list(range(len(returns)))
+    order = [g for g in order if include_zero or s[g] > 0]
     if mode == "topk":
         order = order[:max(1, int(k * len(returns) + 1e-9))]  # k * P rounded down (+1e-9: 0.29 * 100 is 28.999... in floats, 28 by the reference's int())
-    elif p < 1 and prob == "softmax":  # the reference drops zero spread (unless include_zero) before the softmax
-        order = [g for g in order if include_zero or s[g] > 0]
+    elif p < 1 and prob == "softmax":  # softmax over the groups left: without include_zero, those with spread
         order = order[:int((torch.cumsum(torch.softmax(s[order], 0), 0) < p).sum()) + 1]
     elif p < 1:
         cum, need = torch.cumsum(s[order], 0), p * s.sum() - 0.01
         order = order[:int((cum < need).sum()) + 1] if need > 0 else []  # need <= 0: the empty prefix reaches it
-    return sorted(g for g in order if include_zero or s[g] > 0)
+    return sorted(order)
 
 
 def flat(returns):
@@ -447,7 +448,7 @@ def training_logprobs(model, seqs, order, cfg):
 
 @amp
 def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
-    """One GRPO update on the kept episodes: micro-batched, token-mean over the whole batch. -> stats."""
+    """One GRPO update on the kept episodes: micro-batched, one mean (--loss-agg) over the whole batch. -> stats."""
     dev, total = model.device, sum(sum(s[1]) for s in seqs) if cfg.loss_agg == "token-mean" else len(seqs)
     model.eval()  # dropout off (GPT-2, OPT, Phi-2 ship with it), as the sampler ran: else pi / pi_old starts off 1 (TRL: disable_dropout)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))  # similar lengths share a micro-batch: less padding
