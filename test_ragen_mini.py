@@ -1366,7 +1366,6 @@ def test_seq_mean_token_mean_is_the_mean_of_the_episodes_token_means(tiny):
     with torch.no_grad():
         ref.model.norm.weight.mul_(2.0)
     pad = lambda idx: rm.pad_right([seqs[i][:2] for i in idx], 0, model.device, [seqs[i][2] for i in idx])
-    seq = dataclasses.replace(cfg, loss_agg="seq-mean-token-mean")
     with torch.no_grad():
         alone = [rm.loss_terms(model, ref, pad([i]), adv[[i]], cfg) for i in range(4)]  # one episode: its token mean
         both = {agg: rm.loss_terms(model, ref, pad(range(4)), adv, dataclasses.replace(cfg, loss_agg=agg))
@@ -1377,7 +1376,7 @@ def test_seq_mean_token_mean_is_the_mean_of_the_episodes_token_means(tiny):
         assert abs(both["seq-mean-token-mean"][k] - sum(a[k] for a in alone) / 4) < 1e-6, k
         assert abs(both["token-mean"][k] - sum(a[k] * m for a, m in zip(alone, n)) / sum(n)) < 1e-6, k
     assert abs(both["seq-mean-token-mean"]["pg"] - both["token-mean"]["pg"]) > 1e-3  # the two differ here
-    assert rm.parse_args(["--loss-agg", "seq-mean-token-mean"]).loss_agg == seq.loss_agg
+    assert rm.parse_args(["--loss-agg", "seq-mean-token-mean"]).loss_agg == "seq-mean-token-mean"
 
 def test_weight_decay_is_a_regulariser_the_control_run_scales(tiny):
     """--weight-decay reaches AdamW, and update()'s reg_scale (the control run's kept fraction) scales it with the
@@ -1410,6 +1409,13 @@ def test_the_update_runs_with_dropout_off(tiny):
     assert len(modes) >= 3 and not any(modes)
 
 
+def nan_loss_on_call(monkeypatch, n):
+    """loss_terms returns a NaN policy term on its n-th call (counting from 1), as itself otherwise. -> its calls."""
+    real, calls = rm.loss_terms, []
+    monkeypatch.setattr(rm, "loss_terms", lambda *a: calls.append(1) or dict(real(*a), **({"pg": torch.tensor(float("nan"))} if len(calls) == n else {})))
+    return calls
+
+
 def test_a_non_finite_later_ppo_epoch_keeps_the_steps_before_it(tiny, monkeypatch):
     """--ppo-epochs 3 with a NaN loss in epoch 2: epoch 1's optimizer step stands and update() says how many stepped
     (the loop used to log the whole step as skipped)."""
@@ -1417,8 +1423,7 @@ def test_a_non_finite_later_ppo_epoch_keeps_the_steps_before_it(tiny, monkeypatc
     torch.manual_seed(4)
     eps = rm.rollout(model, tok, cfg, [31], 2, 1.0)
     seqs, adv = [(e["ids"], e["mask"], e["logp"]) for e in eps], torch.tensor([1.0, -1.0])
-    real, calls = rm.loss_terms, []
-    monkeypatch.setattr(rm, "loss_terms", lambda *a: calls.append(1) or dict(real(*a), **({"pg": torch.tensor(float("nan"))} if len(calls) == 2 else {})))
+    calls = nan_loss_on_call(monkeypatch, 2)
     m = copy.deepcopy(model).train()
     start = [p.detach().clone() for p in m.parameters()]
     stats = rm.update(m, None, torch.optim.SGD(m.parameters(), lr=0.1), seqs, adv, dataclasses.replace(cfg, ppo_epochs=3, micro_batch=64))
@@ -2627,8 +2632,7 @@ def test_a_step_whose_first_epoch_stepped_is_not_logged_as_skipped(tmp_path, mon
     """--ppo-epochs 2 with a NaN loss in epoch 2: the step changed the weights, so its row has no skipped=1 (the
     control run would read a skipped step's scale as 0) and the line says which epochs were skipped."""
     cfg = rm.parse_args(SMALL + ["--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--steps", "1", "--ppo-epochs", "2"])
-    real, calls = rm.loss_terms, []  # 16 episodes in micro-batches of 8: call 3 opens epoch 2
-    monkeypatch.setattr(rm, "loss_terms", lambda *a: calls.append(1) or dict(real(*a), **({"pg": torch.tensor(float("nan"))} if len(calls) == 3 else {})))
+    calls = nan_loss_on_call(monkeypatch, 3)  # 16 episodes in micro-batches of 8: call 3 opens epoch 2
     summary, _, _ = rm.train(cfg, quiet=True)
     row = runfiles.read_log(os.path.join(summary["out"], "log.jsonl"))[0]
     assert len(calls) == 3 and "skipped" not in row and summary["skipped"] == 0
