@@ -5,9 +5,10 @@ Runs a few GRPO iterations with the given settings and prints, per iteration, wh
     iteration time / pure model compute
 where pure model compute is timed in the same run on the same work: Hugging Face `model.generate` for every turn
 (same sequences, same context lengths, same number of new tokens) plus one plain forward+backward+AdamW step over
-the same training batch. That plain step is what a plain trainer runs (one padded batch, the full LM head); the
-update's own kernels do less, so it also prints the update against a plain NLL step on those kernels (the same
-micro-batches, the LM head on the agent's tokens only): what the GRPO terms and the code around them cost. Also:
+the same training batch, in the update's micro-batches (gradient accumulation). That plain step runs the full LM
+head at every position, as a plain trainer does; the update's own kernels do less, so it also prints the update
+against a plain NLL step on those kernels (the LM head on the agent's tokens only): what the GRPO terms and the code
+around them cost. Also:
 the update time with --filter none vs snr (or --filter's rule) on the same rollouts, and peak memory.
 Run it alone: two CPU-heavy processes on 2 cores slow torch many times over.
 """
@@ -119,14 +120,15 @@ def hf_generate_time(model, tok, eps, temperature):
 @rm.amp  # in bf16 on a GPU, as the loop's own update runs
 def plain_step_time(model, seqs, cfg, own_kernels=False):
     """Pure training cost: --ppo-epochs forward+backward+AdamW steps over the same episodes, next-token NLL on the
-    agent's tokens, the batches padded before the clock starts. By default what a plain trainer runs: one padded
-    batch through the full LM head. own_kernels: the update's own kernels instead (its length-sorted micro-batches,
-    the LM head on the agent's tokens only), so update / this = the cost of the GRPO terms (clipped ratio,
-    full-softmax entropy, KL's reference forward) and of the code around them."""
+    agent's tokens, in the update's micro-batches (length-sorted, --micro-batch at a time: gradient accumulation), the
+    batches padded before the clock starts. By default what a plain trainer runs on them: the model's forward with
+    its attention mask, the full LM head at every position. own_kernels: the update's own kernels instead (the LM
+    head on the agent's tokens only), so update / this = the cost of the GRPO terms (clipped ratio, full-softmax
+    entropy, KL's reference forward) and of the code around them."""
     model = copy.deepcopy(model).eval()  # dropout off, as update() runs
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))  # as update() orders them
-    chunks = [order[i:i + cfg.micro_batch] for i in range(0, len(seqs), cfg.micro_batch)] if own_kernels else [order]
+    chunks = [order[i:i + cfg.micro_batch] for i in range(0, len(seqs), cfg.micro_batch)]  # as update() batches them
     batches, total = [rm.pad_right([seqs[j][:2] for j in idx], 0, model.device) for idx in chunks], sum(sum(s[1]) for s in seqs)
     sync(); t0 = time.perf_counter()
     for _ in range(cfg.ppo_epochs):  # the update makes --ppo-epochs optimizer steps on its batch
@@ -210,7 +212,7 @@ def main(cfg, iters=4):
     print(f"  iteration {med['iter']:.2f}s = rollout {med['rollout']:.2f}s (prefill {med['prefill']:.2f}s at {med['prefill_tps']:.0f} tok/s, "
           f"decode {med['decode']:.2f}s at {med['decode_tps']:.0f} tok/s, env {med['env']:.3f}s) + diagnostics {med['diag']:.2f}s + update {med['update']:.2f}s")
     print(f"  shares of the iteration: env {med['env'] / med['iter']:.1%}, diagnostics {med['diag'] / med['iter']:.1%}, update {med['update'] / med['iter']:.1%}")
-    print(f"  pure model compute: HF generate {med['hf_generate']:.2f}s + plain fwd/bwd/step {med['plain_step']:.2f}s -> overhead ratio {med['overhead']:.2f}")
+    print(f"  pure model compute: HF generate {med['hf_generate']:.2f}s + plain fwd/bwd/step (full LM head, the update's micro-batches) {med['plain_step']:.2f}s -> overhead ratio {med['overhead']:.2f}")
     print(f"  the update against a plain NLL step on its own kernels (same micro-batches, LM head on the agent's tokens only): "
           f"{med['update']:.2f}s vs {med['own_step']:.2f}s -> {med['update_vs_own']:.2f}x")
     print(f"  the rollout outside the model's forwards (sampling, tokenizing, the env, bookkeeping): "
@@ -218,6 +220,7 @@ def main(cfg, iters=4):
           f"kernels (its rollout forwards + diagnostics + that plain step): {med['own_overhead']:.2f}")
     print(f"  update with --filter none {med['update_none']:.2f}s vs {rule} {med['update_snr']:.2f}s (kept {med['kept']:.2f} of groups): "
           + (f"{1 - med['update_snr'] / med['update_none']:.0%} shorter" if med['kept'] else "no group kept, so no update (every group's rewards were equal)"))
-    print(f"  peak memory {peak_loop:.2f} GB in the loop alone, {peak_all:.2f} GB with the reference steps "
+    print(f"  peak memory {peak_loop:.2f} GB in the loop alone{'' if device.type == 'cuda' else ' (its first iteration)'}, "
+          f"{peak_all:.2f} GB with the reference steps "
           f"({'GPU allocated' if device.type == 'cuda' else 'process RSS'})")
     return med
