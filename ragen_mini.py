@@ -115,10 +115,15 @@ class Config:
     plot: str = ""  # run folders, comma-separated (a folder of runs: all of them): their last readings and curves (OUT/plot.png), instead of training
 
 
+CHOICES = {"adv": ["grpo", "drgrpo"], "filter": ["none", "snr", "topk"], "filter_score": ["std", "var"],
+           "filter_prob": ["linear", "softmax"], "loss_agg": ["token-mean", "seq-mean-token-mean"],
+           "device": ["auto", "cpu", "cuda", "mps"]}  # the settings that take one of some names (--env: a name in envs.ENVS)
+
+
 def parse_args(argv=None) -> Config:
     """One flag per field of Config, the comment beside it its --help; every value checked before any work starts
     (runfiles.parse_flags)."""
-    return runfiles.parse_flags(Config, argv, description=__doc__.split("\n")[0])
+    return runfiles.parse_flags(Config, CHOICES, argv, description=__doc__.split("\n")[0])
 
 
 def make_env(cfg):

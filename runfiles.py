@@ -17,15 +17,14 @@ import envs
 import metrics
 
 
-def parse_flags(Config, argv, description):
-    """ragen_mini's command line: one flag per field of Config, the comment beside it its --help, choices where a
-    field takes names; the flags given are kept in cfg.typed. A flag_problem is argparse's two-line error."""
+def parse_flags(Config, choices, argv, description):
+    """ragen_mini's command line: one flag per field of Config, the comment beside it its --help, the names it takes
+    from choices (--env's from envs.ENVS); the flags given are kept in cfg.typed. A flag_problem is argparse's
+    two-line error."""
     helps = dict(re.findall(r"^\s+(\w+): \w+ = .*?  # (.*)$", inspect.getsource(Config), re.M))
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 usage="%(prog)s [--flag VALUE ...]  (--help lists every flag)")  # an error: 2 lines, not 30
-    choices = {"adv": ["grpo", "drgrpo"], "filter": ["none", "snr", "topk"], "filter_score": ["std", "var"], "filter_prob": ["linear", "softmax"],
-               "loss_agg": ["token-mean", "seq-mean-token-mean"],
-               "device": ["auto", "cpu", "cuda", "mps"], "env": sorted(envs.ENVS)}
+    choices = {**choices, "env": sorted(envs.ENVS)}  # (read at each call: a test may add an env)
     for f in dataclasses.fields(Config):
         flag, h = "--" + f.name.replace("_", "-"), helps.get(f.name, "")
         if f.type is bool:
