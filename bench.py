@@ -188,7 +188,7 @@ def main(cfg, iters=4):
         t_update = times["none" if cfg.filter == "none" else "snr"]
         t_iter = t_roll + t_diag + t_update
         if device.type == "cuda" or it == 0:  # the CPU's resident-set peak cannot be reset: its first iteration's
-            peak_loop = max(peak_loop, peak_memory(device))  # ... before the reference steps, which pad the whole batch
+            peak_loop = max(peak_loop, peak_memory(device))  # ... before the reference steps (generate re-encodes every context)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         t_gen = hf_generate_time(model, tok, eps, cfg.temperature)
