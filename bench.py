@@ -127,9 +127,8 @@ def plain_step_time(model, seqs, cfg, own_kernels=False):
     entropy, KL's reference forward) and of the code around them."""
     model = copy.deepcopy(model).eval()  # dropout off, as update() runs
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))  # as update() orders them
-    chunks = [order[i:i + cfg.micro_batch] for i in range(0, len(seqs), cfg.micro_batch)]  # as update() batches them
-    batches, total = [rm.pad_right([seqs[j][:2] for j in idx], 0, model.device) for idx in chunks], sum(sum(s[1]) for s in seqs)
+    batches = [rm.pad_right([seqs[j][:2] for j in idx], 0, model.device) for idx in rm.micro_batches(seqs, cfg.micro_batch)]
+    total = sum(sum(s[1]) for s in seqs)  # (update()'s micro-batches, padded before the clock starts)
     sync(); t0 = time.perf_counter()
     for _ in range(cfg.ppo_epochs):  # the update makes --ppo-epochs optimizer steps on its batch
         opt.zero_grad()

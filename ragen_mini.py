@@ -447,11 +447,18 @@ def loss_terms(model, ref, batch, adv, cfg):
     return dict(pg=pg.sum() / n, entropy=entropy.sum() / n, kl=kl.sum() / n, ntok=n)
 
 
+def micro_batches(seqs, size):
+    """Episode indices in micro-batches of size, sorted by length: similar lengths share one, so less padding."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
+    return [order[i:i + size] for i in range(0, len(seqs), size)]
+
+
 @torch.no_grad()
-def with_old_logprobs(model, batch, cfg):
-    """A padded batch (ids, attn, mask, old_logp) with pi_old from the training forward under bf16, where the
-    KV-cached sampler rounds otherwise and pi / pi_old would not start at 1 (veRL always recomputes); in fp32 the
-    sampler's log-probs stand (equal up to rounding)."""
+def train_batch(model, seqs, idx, cfg):
+    """Episodes idx of seqs [(ids, mask, sampler log-probs)] as one right-padded batch (ids, attn, mask, old_logp).
+    pi_old is the sampler's in fp32 (equal up to rounding); under bf16 the KV-cached sampler rounds otherwise and
+    pi / pi_old would not start at 1, so the training forward recomputes it (veRL always does)."""
+    batch = pad_right([seqs[i][:2] for i in idx], 0, model.device, [seqs[i][2] for i in idx])
     if not torch.is_autocast_enabled(model.device.type):
         return batch
     ids, _, mask, _ = batch
@@ -463,12 +470,10 @@ def with_old_logprobs(model, batch, cfg):
 @amp
 def update(model, ref, opt, seqs, adv, cfg, reg_scale=1.0):
     """One GRPO update on the kept episodes: micro-batched, one mean (--loss-agg) over the whole batch. -> stats."""
-    dev, total = model.device, sum(sum(s[1]) for s in seqs) if cfg.loss_agg == "token-mean" else len(seqs)
+    total = sum(sum(s[1]) for s in seqs) if cfg.loss_agg == "token-mean" else len(seqs)  # agent tokens (or episodes)
     model.eval()  # dropout off (GPT-2, OPT, Phi-2 ship with it), as the sampler ran: else pi / pi_old starts off 1 (TRL: disable_dropout)
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))  # similar lengths share a micro-batch: less padding
-    chunks = [order[i:i + cfg.micro_batch] for i in range(0, len(seqs), cfg.micro_batch)]
-    batches = [with_old_logprobs(model, pad_right([seqs[j][:2] for j in idx], 0, dev, [seqs[j][2] for j in idx]), cfg)
-               for idx in chunks]  # pi_old before any step: every --ppo-epochs epoch clips against the same
+    chunks = micro_batches(seqs, cfg.micro_batch)
+    batches = [train_batch(model, seqs, idx, cfg) for idx in chunks]  # pi_old before any step: every epoch clips against it
     stats = dict(loss=0.0, pg=0.0, entropy=0.0, kl=0.0)
     for group in opt.param_groups:  # weight decay is a regulariser too: the control run scales it with the others
         group["weight_decay"] = reg_scale * cfg.weight_decay
@@ -508,8 +513,7 @@ def grad_norms_by_bucket(model, ref, seqs, returns, cfg, n_buckets=3):
         if not groups:  # fewer groups than buckets
             continue
         idx = [g * G + i for g in groups for i in range(G)]
-        batch = with_old_logprobs(model, pad_right([seqs[i][:2] for i in idx], 0, model.device, [seqs[i][2] for i in idx]), cfg)
-        t = loss_terms(model, ref, batch, adv[idx].to(model.device), cfg)
+        t = loss_terms(model, ref, train_batch(model, seqs, idx, cfg), adv[idx].to(model.device), cfg)
         terms = {"task": t["pg"], "entropy": cfg.entropy_coeff * t["entropy"], "kl": cfg.kl_coef * t["kl"]}
         out |= {f"gn_{k}_b{b}": v for k, v in metrics.grad_norms(terms, params).items()}
         out[f"rv_b{b}"] = float(returns[groups].var(1).mean())

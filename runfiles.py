@@ -340,17 +340,13 @@ def _not_a_retry(record):
     return not any(s in record.getMessage() for s in ("Retrying in", "thrown while requesting"))
 
 
-def quiet_hub_retries():
-    """Drop huggingface_hub's retry lines (a hub id it cannot reach: 20 of them before the one error line); its other
-    warnings (rate limits, the server's own) stay, and HF_HUB_VERBOSITY still sets its level."""
-    import logging
-    logging.getLogger("huggingface_hub.utils._http").addFilter(_not_a_retry)  # (added once: the same function)
-
-
 def quiet_transformers():
-    """quiet_hub_retries, and no HF progress bars ("Writing model shards") when stderr is a file: noise in a log."""
+    """Drop huggingface_hub's retry lines (a hub id it cannot reach: 20 of them before the one error line); its other
+    warnings (rate limits, the server's own) stay, and HF_HUB_VERBOSITY still sets its level. And no HF progress
+    bars ("Writing model shards") when stderr is a file: noise in a log."""
+    import logging
     from transformers.utils import logging as hf_logging
-    quiet_hub_retries()
+    logging.getLogger("huggingface_hub.utils._http").addFilter(_not_a_retry)  # (added once: the same function)
     if not sys.stderr.isatty():
         hf_logging.disable_progress_bar()
 
